@@ -1,0 +1,43 @@
+# The two commands of the README are `make book` and `make test`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install book test tangle check-tangle run-chapters bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -r requirements.txt
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## regenerate ds4ref/ from the chapters
+tangle: $(STAMP)
+	$(VPY) tools/tangle.py
+
+check-tangle: $(STAMP)
+	$(VPY) tools/tangle.py --check
+
+## re-execute every chapter in place (stored outputs)
+run-chapters: $(STAMP)
+	$(VPY) tools/nb.py run book/[0-9][0-9]_*.ipynb
+
+## the main job: build the book offline (warnings are errors), then generate on the bundled model
+book: $(STAMP)
+	$(VPY) tools/tangle.py --check
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	$(VPY) -m ds4ref
+
+## every test: unit and oracle tests, the drift check, and nbval over every chapter
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+bench: $(STAMP)
+	$(VPY) -m ds4ref.bench all
+
+clean:
+	rm -rf _build

@@ -1,0 +1,65 @@
+"""Shared fixtures: the ds4.c oracle data copied into data/oracle (never ../shared)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ORACLE = ROOT / "data" / "oracle"
+
+
+@pytest.fixture(scope="session")
+def oracle_dir() -> Path:
+    return ORACLE
+
+
+@pytest.fixture(scope="session")
+def oracle_gguf() -> Path:
+    """The tiny DS4-shaped GGUF that ds4.c ran (dev_seed1.gguf)."""
+    return ORACLE / "dev_seed1.gguf"
+
+
+@pytest.fixture(scope="session")
+def ops_A():
+    """ds4.c's recorded inputs and outputs of every op (case A, decode path)."""
+    return np.load(ORACLE / "ops_A.npz")
+
+
+@pytest.fixture(scope="session")
+def golden_A():
+    return np.load(ORACLE / "golden_A.npz")
+
+
+@pytest.fixture(scope="session")
+def golden_C():
+    return np.load(ORACLE / "golden_C.npz")
+
+
+@pytest.fixture(scope="session")
+def golden_json() -> dict:
+    return json.loads((ORACLE / "golden.json").read_text())
+
+
+def _have_cuda_gpu() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _have_cuda_gpu():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU with CuPy on this machine (GPU tests run on a lent device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def have_nvcc() -> bool:
+    return shutil.which("nvcc") is not None
