@@ -1,0 +1,353 @@
+"""Chapter 09: every backend against the numpy reference and ds4.c's oracle; the CUDA sources compile.
+
+CPU backends (numba, MLX on the CPU) run here for real. CuPy tests are marked `gpu` and skip without a CUDA
+GPU (conftest.py); tools/gpu_check.sh runs them on a lent GPU machine. The kernels still compile here with
+`nvcc -ptx -arch=sm_90`, so a syntax or type error in kernels/*.cu fails CI wherever nvcc exists.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from importlib import resources
+
+import numpy as np
+import pytest
+
+from ds4ref.backend import NUMPY
+from ds4ref.backends import BACKENDS, BackendError, available_backends, backend_status, get_backend
+from ds4ref.backends.cupy_backend import KERNEL_FILES, KERNEL_NAMES, kernel_source
+from ds4ref.engine import Engine, logit_agreement, replay_golden
+from ds4ref.matvec import MatvecError
+from ds4ref.quant import Q8Act, Q8KAct, quantize, quantize_q8_0, quantize_q8_K
+from ds4ref.weights import load_model
+
+TOL = 1e-5                                          # data/oracle/README.md: float ops, relative
+LOOSE = dict(corr=0.98, mean_abs=0.3, max_abs=1.5)  # README "How to compare" 3 (same as test_engine)
+CPU_BACKENDS = ["numba", "mlx"]
+POSITIONS = (1, 67, 131, 299)
+LAYERS = (1, 3, 4)
+
+
+def rel(port, ref):
+    port, ref = np.asarray(port, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(port - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def model(oracle_gguf):
+    return load_model(oracle_gguf)
+
+
+def q8(ops, key):
+    return Q8Act(ops[key + ".qs"], ops[key + ".d"])
+
+
+def q8k(ops, key, i=None):
+    f = [ops[key + "." + n] for n in ("qs", "d", "bsums")]
+    return Q8KAct(*(v if i is None else v[i] for v in f))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA sources: installed as package data, every kernel compiles with nvcc, names match the backend
+
+def test_cuda_sources_are_installed_package_data():
+    files = {p.name for p in resources.files("ds4ref.kernels").iterdir()}
+    assert set(KERNEL_FILES) | {"ds4_common.cuh"} <= files
+
+
+def test_every_backend_kernel_is_defined_once_in_the_sources():
+    text = "".join(kernel_source(f) for f in KERNEL_FILES)
+    for name in KERNEL_NAMES:
+        assert len(re.findall(rf'extern "C" __global__ void {name}\(', text)) == 1, name
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize("src", KERNEL_FILES)
+def test_kernel_compiles_with_nvcc_for_sm_90(src, tmp_path):
+    folder = resources.files("ds4ref.kernels")
+    with resources.as_file(folder) as d:
+        out = tmp_path / (src + ".ptx")
+        r = subprocess.run(["nvcc", "-ptx", "-arch=sm_90", "-std=c++14", "-Werror", "all-warnings",
+                            f"-I{d}", str(d / src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ptx = out.read_text()
+    for name in KERNEL_NAMES:
+        if f"void {name}(" in kernel_source(src):
+            assert re.search(rf"\.entry {name}\(", ptx), f"{name} missing from the PTX of {src}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# get_backend
+
+def test_get_backend_knows_every_name_and_rejects_others():
+    assert get_backend("numpy") is NUMPY
+    for name in available_backends():
+        be = get_backend(name)
+        assert be.name == name and get_backend(name.upper()) is be       # built once, reused
+    with pytest.raises(BackendError, match="unknown"):
+        get_backend("tpu")
+    with pytest.raises(BackendError, match="expected a name"):
+        get_backend(3)
+    assert set(available_backends()) <= set(BACKENDS)
+
+
+def test_auto_picks_the_fastest_available_and_says_which(capsys):
+    be = get_backend("auto")
+    err = capsys.readouterr().err
+    assert f"backend 'auto' -> {be.name}" in err
+    ok_cupy = backend_status("cupy")[0]
+    assert be.name == ("cupy" if ok_cupy else "numba")       # no Metal GPU on a Linux CI machine
+
+
+def test_unavailable_backend_raises_named_error():
+    if backend_status("cupy")[0]:
+        pytest.skip("CuPy with a GPU is present here")
+    with pytest.raises(BackendError, match="cupy"):
+        get_backend("cupy")
+
+
+def test_engine_opens_with_a_backend_name(oracle_gguf):
+    assert Engine.open(oracle_gguf, backend="numba").backend.name == "numba"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU backends: every matvec equals the numpy reference on random weights, and ds4.c on ops_A
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+@pytest.mark.parametrize("ggml_type", [8, 16, 10])
+def test_quantized_matvec_equals_numpy_reference_on_random_weights(name, ggml_type):
+    be = get_backend(name)
+    rng = np.random.default_rng(ggml_type)
+    rows, n = 48, 512
+    raw = quantize(rng.standard_normal((rows, n)).astype(np.float32), ggml_type)
+    x = (rng.standard_normal((3, n)) * rng.uniform(0.1, 10, (3, 1))).astype(np.float32)
+    if ggml_type == 8:
+        a = quantize_q8_0(x)
+        ours, ref = be.matvec_q8_0_prequant(raw, a), NUMPY.matvec_q8_0_prequant(raw, a)
+        assert np.array_equal(be.matvec_q8_0(raw, x[0]), ours[0])
+    elif ggml_type == 16:
+        a = quantize_q8_K(x)
+        raw_u = quantize(rng.standard_normal((rows, n)).astype(np.float32), 16)
+        ours, ref = np.stack(be.matvec_iq2_xxs_pair_q8_K(raw, raw_u, a)), np.stack(NUMPY.matvec_iq2_xxs_pair_q8_K(raw, raw_u, a))
+    else:
+        a = quantize_q8_K(x)
+        ours, ref = be.matvec_q2_K_q8_K(raw, a), NUMPY.matvec_q2_K_q8_K(raw, a)
+    assert ours.shape == ref.shape and ours.dtype == np.float32
+    assert rel(ours, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_f16_matvec_equals_numpy_reference(name):
+    rng = np.random.default_rng(5)
+    raw = rng.standard_normal((40, 256)).astype(np.float16).view(np.uint8)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    assert rel(get_backend(name).matvec_f16(raw, x), NUMPY.matvec_f16(raw, x)) <= 1e-6
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_matvecs_match_ds4c_oracle_from_its_quantized_inputs(name, model, ops_A):
+    be = get_backend(name)
+    _, _, W = model
+    worst = {}
+    for il in LAYERS:
+        L = W.layers[il]
+        for p in POSITIONS:
+            K = f"L{il}.P{p}."
+            ids = ops_A[K + "exp_ids"]
+            got = {
+                "q_a": (be.matvec_q8_0_prequant(L.attn_q_a, q8(ops_A, K + "q8.attn_q_a")), ops_A[K + "qr"]),
+                "q_b": (be.matvec_q8_0_prequant(L.attn_q_b, q8(ops_A, K + "q8.attn_q_b")), ops_A[K + "q_b"].ravel()),
+                "kv": (be.matvec_q8_0_prequant(L.attn_kv, q8(ops_A, K + "q8.attn_kv")), ops_A[K + "kv_raw"]),
+                "out_b": (be.matvec_q8_0_prequant(L.attn_output_b, q8(ops_A, K + "q8.attn_output_b")), ops_A[K + "attn_out"]),
+                "router": (be.matvec_f16(L.ffn_gate_inp, ops_A[K + "ffn_norm"]), ops_A[K + "router_logits"]),
+                "gate/up": (np.stack([np.stack(be.matvec_iq2_xxs_pair_q8_K(L.ffn_gate_exps.expert(e), L.ffn_up_exps.expert(e),
+                                                                          q8k(ops_A, K + "q8k.ffn_gate_up_exps"))) for e in ids]),
+                            np.stack([ops_A[K + "exp_gate"], ops_A[K + "exp_up"]], axis=1)),
+                "down": (np.stack([be.matvec_q2_K_q8_K(L.ffn_down_exps.expert(e), q8k(ops_A, K + "q8k.ffn_down_exps", s))
+                                   for s, e in enumerate(ids)]), ops_A[K + "exp_down"]),
+            }
+            for k, (ours, ref) in got.items():
+                worst[k] = max(worst.get(k, 0.0), rel(ours, ref))
+    assert max(worst.values()) <= TOL, worst
+
+
+def test_mlx_keeps_weights_quantized_in_memory(model):
+    be = get_backend("mlx")
+    _, _, W = model
+    t = W.layers[3].ffn_gate_exps.expert(5)
+    be.matvec_iq2_xxs_q8_K(t, quantize_q8_K(np.ones(t.data.shape[1] // 66 * 256, np.float32)))
+    key = (t.data.__array_interface__["data"][0], t.data.shape, t.data.strides)
+    held = be._resident[key][1]
+    assert held.dtype.size == 1 and held.nbytes == t.data.nbytes          # raw GGUF bytes, 2.06 bits/weight
+
+
+def test_bad_weight_or_activation_gives_named_errors():
+    be = get_backend("mlx")
+    raw = quantize(np.ones((4, 64), np.float32), 8)
+    with pytest.raises(MatvecError, match="Q8_0"):
+        be.matvec_q8_0_prequant(raw, quantize_q8_0(np.ones(32, np.float32)))
+    with pytest.raises(MatvecError):
+        be.matvec_q2_K_q8_K(raw, quantize_q8_K(np.ones(256, np.float32)))
+    with pytest.raises(MatvecError, match="F16"):
+        be.matvec_f16(np.zeros((4, 64), np.uint8), np.ones(31, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# numba's fused decode kernels: routed experts and sink attention
+
+def test_numba_routed_experts_match_ds4c_and_the_per_expert_reference(model, ops_A):
+    nb = get_backend("numba")
+    _, cfg, W = model
+    for il in LAYERS:
+        L = W.layers[il]
+        for p in POSITIONS:
+            K = f"L{il}.P{p}."
+            ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
+            a = q8k(ops_A, K + "q8k.ffn_gate_up_exps")
+            mid = nb.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, a, cfg.swiglu_clamp)
+            assert rel(mid, ops_A[K + "exp_mid"]) <= TOL
+            assert np.array_equal(quantize_q8_K(mid).qs, ops_A[K + "q8k.ffn_down_exps.qs"])
+            moe = nb.routed_experts_down(L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps"))
+            assert rel(moe, ops_A[K + "moe_out"]) <= TOL
+            # the same numbers as the reference's per-expert matvecs, summed in slot order
+            ref = np.zeros_like(moe)
+            for s, e in enumerate(ids):
+                ref = (ref + NUMPY.matvec_q2_K_q8_K(L.ffn_down_exps.expert(e), q8k(ops_A, K + "q8k.ffn_down_exps", s))).astype(np.float32)
+            assert rel(moe, ref) <= 1e-6
+            mid2, moe2 = nb.routed_experts(L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, ids, wts, a, cfg.swiglu_clamp)
+            assert np.array_equal(mid2, mid)
+
+
+def test_numba_sink_attention_matches_ds4c(model, ops_A):
+    from ds4ref.attention import attention_rows
+    nb = get_backend("numba")
+    _, _, W = model
+    for il in LAYERS:
+        for p in POSITIONS:
+            K = f"L{il}.P{p}."
+            rows, allowed = ops_A[K + "cache_raw"], np.ones(len(ops_A[K + "cache_raw"]), bool)
+            if K + "cache_comp" in ops_A:
+                comp = ops_A[K + "cache_comp"]
+                rows = np.concatenate([rows, comp])
+                extra = ops_A[K + "comp_allowed"].astype(bool) if K + "comp_allowed" in ops_A else np.ones(len(comp), bool)
+                allowed = np.concatenate([allowed, extra])
+            sinks = W.layers[il].attn_sinks.numpy()
+            heads = nb.sink_attention(ops_A[K + "q_rope"], rows, sinks, allowed)
+            assert rel(heads, ops_A[K + "heads"]) <= TOL
+            assert rel(heads, attention_rows(ops_A[K + "q_rope"], rows, sinks, allowed)) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# whole model: each CPU backend meets the end-to-end checks, with ds4.c's decisions forced and free
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+@pytest.mark.parametrize("path", ["batch", "stream"])
+@pytest.mark.parametrize("forced", [True, False])
+def test_whole_model_meets_the_oracle_bounds_case_C(name, path, forced, oracle_gguf, golden_C):
+    eng = Engine.open(oracle_gguf, backend=name)
+    run = replay_golden(eng, golden_C, path, forced, ctx_size=64)
+    if path == "batch":
+        ours = np.vstack([run["prompt_logits"][None], run["step_logits"]])
+        ref = np.vstack([golden_C["prompt_logits"][None], golden_C["step_logits"]])
+    else:
+        ours = np.vstack([run["pos_logits"], run["step_logits"]])
+        ref = np.vstack([golden_C["stream_pos_logits"], golden_C["stream_step_logits"]])
+    m = logit_agreement(ours, ref)
+    assert m["corr"].min() >= LOOSE["corr"], m["corr"].min()
+    assert m["mean_abs"].max() <= LOOSE["mean_abs"], m["mean_abs"].max()
+    assert m["max_abs"].max() <= LOOSE["max_abs"], m["max_abs"].max()
+
+
+def test_backends_agree_with_numpy_on_the_first_tokens(oracle_gguf, golden_C):
+    """Early positions, before int8 rounding chaos builds up: every backend is within float noise of numpy."""
+    prompt = [int(t) for t in golden_C["prompt_ids"]][:2]
+    ref = Engine.open(oracle_gguf, backend="numpy").session(ctx_size=16)
+    ref.sync(prompt)
+    for name in CPU_BACKENDS:
+        s = Engine.open(oracle_gguf, backend=name).session(ctx_size=16)
+        s.sync(prompt)
+        assert logit_agreement(s.logits, ref.logits)["corr"] >= 0.9999, name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CuPy on a CUDA GPU (skipped without one; run by tools/gpu_check.sh)
+
+@pytest.fixture(scope="module")
+def cupy_be():
+    return get_backend("cupy")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ggml_type", [8, 16, 10, 1])
+def test_cupy_matvec_equals_numpy_on_random_weights(cupy_be, ggml_type):
+    rng = np.random.default_rng(ggml_type)
+    rows, n = 300, 1024
+    x = rng.standard_normal((4, n)).astype(np.float32)
+    if ggml_type == 1:
+        raw = rng.standard_normal((rows, n)).astype(np.float16).view(np.uint8)
+        assert rel(cupy_be.matvec_f16(raw, x), NUMPY.matvec_f16(raw, x)) <= 1e-5
+        return
+    raw = quantize(rng.standard_normal((rows, n)).astype(np.float32), ggml_type)
+    if ggml_type == 8:
+        a = quantize_q8_0(x)
+        assert rel(cupy_be.matvec_q8_0_prequant(raw, a), NUMPY.matvec_q8_0_prequant(raw, a)) <= 1e-5
+    elif ggml_type == 16:
+        a = quantize_q8_K(x)
+        assert rel(np.stack(cupy_be.matvec_iq2_xxs_pair_q8_K(raw, raw, a)), np.stack(NUMPY.matvec_iq2_xxs_pair_q8_K(raw, raw, a))) <= 1e-5
+    else:
+        a = quantize_q8_K(x)
+        assert rel(cupy_be.matvec_q2_K_q8_K(raw, a), NUMPY.matvec_q2_K_q8_K(raw, a)) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_cupy_matvecs_match_ds4c_oracle(cupy_be, model, ops_A):
+    _, cfg, W = model
+    for il in LAYERS:
+        L = W.layers[il]
+        for p in POSITIONS:
+            K = f"L{il}.P{p}."
+            ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
+            assert rel(cupy_be.matvec_q8_0_prequant(L.attn_q_b, q8(ops_A, K + "q8.attn_q_b")), ops_A[K + "q_b"].ravel()) <= TOL
+            assert rel(cupy_be.matvec_f16(L.ffn_gate_inp, ops_A[K + "ffn_norm"]), ops_A[K + "router_logits"]) <= TOL
+            g, u = cupy_be.experts_pair_q8_K(L.ffn_gate_exps, L.ffn_up_exps, ids, q8k(ops_A, K + "q8k.ffn_gate_up_exps"))
+            assert rel(g, ops_A[K + "exp_gate"]) <= TOL and rel(u, ops_A[K + "exp_up"]) <= TOL
+            down = cupy_be.experts_down_q8_K(L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps"))
+            assert rel(down, ops_A[K + "exp_down"]) <= TOL
+            g1, _ = cupy_be.matvec_iq2_xxs_pair_q8_K(L.ffn_gate_exps.expert(ids[0]), L.ffn_up_exps.expert(ids[0]),
+                                                     q8k(ops_A, K + "q8k.ffn_gate_up_exps"))
+            assert rel(g1, ops_A[K + "exp_gate"][0]) <= TOL
+
+
+@pytest.mark.gpu
+def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
+    from ds4ref.rope import rope_tail
+    _, cfg, W = model
+    for il in LAYERS:
+        L = W.layers[il]
+        for p in POSITIONS:
+            K = f"L{il}.P{p}."
+            assert rel(cupy_be.rms_norm_rows(ops_A[K + "attn_x"], L.attn_norm.numpy()), ops_A[K + "attn_norm"]) <= TOL
+            assert rel(cupy_be.rms_norm_rows(ops_A[K + "q_b"]), ops_A[K + "q_normed"]) <= TOL
+            r = cfg.compress_ratio(il)
+            assert rel(cupy_be.rope_tail(ops_A[K + "q_normed"], p, cfg, r), ops_A[K + "q_rope"]) <= TOL
+            assert rel(cupy_be.rope_tail(ops_A[K + "heads"], p, cfg, r, inverse=True), ops_A[K + "heads_unrope"]) <= TOL
+            assert rel(cupy_be.rope_tail(ops_A[K + "q_normed"], p, cfg, r), rope_tail(ops_A[K + "q_normed"], p, cfg, r)) <= TOL
+            rows, allowed = ops_A[K + "cache_raw"], np.ones(len(ops_A[K + "cache_raw"]), bool)
+            if K + "cache_comp" in ops_A:
+                comp = ops_A[K + "cache_comp"]
+                rows = np.concatenate([rows, comp])
+                extra = ops_A[K + "comp_allowed"].astype(bool) if K + "comp_allowed" in ops_A else np.ones(len(comp), bool)
+                allowed = np.concatenate([allowed, extra])
+            heads = cupy_be.sink_attention(ops_A[K + "q_rope"], rows, L.attn_sinks.numpy(), allowed)
+            assert rel(heads, ops_A[K + "heads"]) <= TOL
+            if K + "comp_state_kv" in ops_A:
+                ratio = cfg.compress_ratio(il)
+                pooled = cupy_be.compressor_pool(ops_A[K + "comp_state_kv"], ops_A[K + "comp_state_score"], cfg.head_dim, ratio)
+                assert rel(pooled, ops_A[K + "comp_pooled"]) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["batch", "stream"])
+def test_cupy_whole_model_meets_the_oracle_bounds_case_C(path, oracle_gguf, golden_C):
+    test_whole_model_meets_the_oracle_bounds_case_C("cupy", path, True, oracle_gguf, golden_C)

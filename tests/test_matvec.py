@@ -1,0 +1,292 @@
+"""Chapter 03: quantized matvecs against ds4.c's recorded ops, an independent formula, and each other."""
+from __future__ import annotations
+
+import tracemalloc
+
+import gguf.quants
+import numpy as np
+import pytest
+
+from ds4ref.backend import NUMPY, NumpyBackend
+from ds4ref.matvec import MatvecError, matvec_f16, matvec_q8_0, matvec_q8_0_prequant
+from ds4ref.numba_kernels import NUMBA, NumbaBackend
+from ds4ref.quant import Q8Act, Q8KAct, QuantError, quantize, quantize_q8_0, quantize_q8_K
+from ds4ref.weights import load_model
+
+BACKENDS = [NUMPY, NUMBA]
+TYPE_ID = {"F16": 1, "Q8_0": 8, "Q2_K": 10, "Q4_K": 12, "IQ2_XXS": 16}
+
+
+@pytest.fixture(scope="module")
+def model(oracle_gguf):
+    _, cfg, w = load_model(oracle_gguf)
+    return cfg, w
+
+
+def rel(got, want) -> float:
+    """The README's float-op metric: max |port - ds4| / max |ds4|."""
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+def q8(ops, key) -> Q8Act:
+    return Q8Act(ops[key + ".qs"], ops[key + ".d"])
+
+
+def q8k(ops, key, i=None) -> Q8KAct:
+    f = [ops[key + s] for s in (".qs", ".d", ".bsums")]
+    return Q8KAct(*(a if i is None else a[i] for a in f))
+
+
+def layer_keys(ops):
+    for p in ops["positions"]:
+        for il in range(6):
+            yield il, f"L{il}.P{p}."
+
+
+# --- ds4.c oracle: fed ds4's own int8 activations, every matvec reproduces ds4's recorded output ---------
+
+@pytest.mark.parametrize("be", BACKENDS, ids=lambda b: b.name)
+def test_q8_0_matvecs_reproduce_ds4c_bit_for_bit(be, model, ops_A):
+    """qr, q_b, kv_raw, attn_low (grouped), attn_out, shared gate/up/out, logits: all 17 positions x 6 layers."""
+    cfg, w = model
+    n_checked = 0
+    for il, k in layer_keys(ops_A):
+        lw = w.layers[il]
+        cases = [
+            (lw.attn_q_a, "q8.attn_q_a", "qr"),
+            (lw.attn_q_b, "q8.attn_q_b", "q_b"),
+            (lw.attn_kv, "q8.attn_kv", "kv_raw"),
+            (lw.attn_output_b, "q8.attn_output_b", "attn_out"),
+            (lw.ffn_gate_shexp, "q8.ffn_gate_shexp", "shared_gate"),
+            (lw.ffn_up_shexp, "q8.ffn_gate_shexp", "shared_up"),   # gate and up share one quantized input
+            (lw.ffn_down_shexp, "q8.ffn_down_shexp", "shared_out"),
+        ]
+        for wt, act, out in cases:
+            got = be.matvec_q8_0_prequant(wt, q8(ops_A, k + act))
+            want = ops_A[k + out]
+            assert got.dtype == np.float32
+            assert np.array_equal(got, want.reshape(-1)), (k + out, rel(got, want.reshape(-1)))
+            n_checked += 1
+        # grouped output projection: group g uses rows g*n_lora_o.. on the q8 input of its heads
+        a = q8(ops_A, k + "q8.attn_output_a")
+        G, rank = cfg.n_out_group, cfg.n_lora_o
+        n_in = a.qs.size // G
+        low = np.stack([be.matvec_q8_0_prequant(lw.attn_output_a.data[g * rank:(g + 1) * rank],
+                                                Q8Act(a.qs[g * n_in:(g + 1) * n_in], a.d[g * n_in // 32:(g + 1) * n_in // 32]))
+                        for g in range(G)])
+        assert np.array_equal(low, ops_A[k + "attn_low"]), k + "attn_low"
+    for p in ops_A["positions"]:
+        got = be.matvec_q8_0_prequant(w.output, q8(ops_A, f"P{p}.q8.output"))
+        assert np.array_equal(got, ops_A[f"P{p}.logits"])
+    assert n_checked == 7 * 6 * len(ops_A["positions"])
+
+
+@pytest.mark.parametrize("be", BACKENDS, ids=lambda b: b.name)
+def test_routed_expert_matvecs_reproduce_ds4c(be, model, ops_A):
+    """IQ2_XXS gate/up pair on the shared Q8_K input -> exp_gate/exp_up (bit for bit); Q2_K -> exp_down (1e-5)."""
+    _, w = model
+    worst_down = 0.0
+    for il, k in layer_keys(ops_A):
+        lw = w.layers[il]
+        a = q8k(ops_A, k + "q8k.ffn_gate_up_exps")
+        for slot, e in enumerate(ops_A[k + "exp_ids"]):
+            g, u = be.matvec_iq2_xxs_pair_q8_K(lw.ffn_gate_exps.expert(int(e)), lw.ffn_up_exps.expert(int(e)), a)
+            assert np.array_equal(g, ops_A[k + "exp_gate"][slot]), (k, slot)
+            assert np.array_equal(u, ops_A[k + "exp_up"][slot]), (k, slot)
+            # the 3-D tensor's rows e*out..(e+1)*out are the same expert
+            n_out = lw.ffn_down_exps.shape[1]
+            rows = lw.ffn_down_exps.data[int(e) * n_out:(int(e) + 1) * n_out]
+            d = be.matvec_q2_K_q8_K(rows, q8k(ops_A, k + "q8k.ffn_down_exps", slot))
+            worst_down = max(worst_down, rel(d, ops_A[k + "exp_down"][slot]))
+    assert worst_down <= 1e-5
+    assert worst_down > 0        # measured 2.4e-7: ds4's compiled code orders the two float products differently
+
+
+@pytest.mark.parametrize("be", BACKENDS, ids=lambda b: b.name)
+def test_f16_matvecs_reproduce_ds4c_router_and_compressor(be, model, ops_A):
+    """F16 on the float (not quantized) input: router_logits from ffn_norm, comp_kv from attn_norm."""
+    _, w = model
+    worst = {"router_logits": 0.0, "comp_kv": 0.0}
+    for il, k in layer_keys(ops_A):
+        lw = w.layers[il]
+        worst["router_logits"] = max(worst["router_logits"],
+                                     rel(be.matvec_f16(lw.ffn_gate_inp, ops_A[k + "ffn_norm"]), ops_A[k + "router_logits"]))
+        if lw.attn_compressor_kv is not None:
+            worst["comp_kv"] = max(worst["comp_kv"],
+                                   rel(be.matvec_f16(lw.attn_compressor_kv, ops_A[k + "attn_norm"]), ops_A[k + "comp_kv"]))
+    assert all(0 < v <= 1e-5 for v in worst.values()), worst
+
+
+def test_quantize_then_matvec_equals_ds4c_path(model, ops_A):
+    """matvec_q8_0 (quantize inside) on ds4's float attn_norm gives ds4's qr exactly: quantizer and dot chained."""
+    _, w = model
+    k = "L3.P64."
+    assert np.array_equal(matvec_q8_0(w.layers[3].attn_q_a, ops_A[k + "attn_norm"]), ops_A[k + "qr"])
+    assert np.array_equal(NUMBA.matvec_q8_0(w.layers[3].attn_q_a, ops_A[k + "attn_norm"]), ops_A[k + "qr"])
+
+
+# --- independent formula: dequantize with the gguf package, then a float64 dot --------------------------
+
+def gguf_dequant(raw: np.ndarray, name: str) -> np.ndarray:
+    return gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, name)).astype(np.float64)
+
+
+def q8k_values(a: Q8KAct) -> np.ndarray:
+    return (a.qs.reshape(-1, 256) * a.d.reshape(-1, 1).astype(np.float64)).reshape(a.qs.shape)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q2_K", "Q4_K", "IQ2_XXS"])
+@pytest.mark.parametrize("be", BACKENDS, ids=lambda b: b.name)
+def test_integer_path_equals_dequantize_then_float64_dot(be, kind):
+    """The int8 dots with float scales are the same sum as dequantized weights . dequantized activation."""
+    rng = np.random.default_rng(TYPE_ID[kind])
+    rows, n = 96, 1024
+    x = rng.standard_normal((2, n)).astype(np.float32)
+    raw = quantize(rng.standard_normal((rows, n)).astype(np.float32) * 0.05, TYPE_ID[kind])
+    W = gguf_dequant(raw, kind)
+    if kind == "Q8_0":
+        a = quantize_q8_0(x)
+        got = be.matvec_q8_0_prequant(raw, a)
+        xv = (a.qs.reshape(2, -1, 32) * a.d[..., None].astype(np.float64)).reshape(2, n)
+    else:
+        a = quantize_q8_K(x)
+        xv = q8k_values(a)
+        if kind == "Q2_K":
+            got = be.matvec_q2_K_q8_K(raw, a)
+        elif kind == "Q4_K":
+            got = be.matvec_q4_K_q8_K(raw, a)
+        else:
+            got = be.matvec_iq2_xxs_q8_K(raw, a)
+    want = xv @ W.T                                     # [2, rows] float64
+    assert got.shape == (2, rows) and got.dtype == np.float32
+    assert rel(got, want) < 2e-6, rel(got, want)
+
+
+def test_f16_matvec_equals_float64_dot():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 4096)).astype(np.float16)
+    x = rng.standard_normal(4096).astype(np.float32)
+    want = w.astype(np.float64) @ x
+    for be in BACKENDS:
+        assert rel(be.matvec_f16(w.view(np.uint8), x), want) < 1e-6
+
+
+# --- numba == numpy on random inputs -------------------------------------------------------------------
+
+def random_rows(rng, kind: str, rows: int, n: int) -> np.ndarray:
+    """Random bytes of valid blocks: any bit pattern is valid except that f16 scales must be finite."""
+    per, size, scale_at = {"Q8_0": (32, 34, [0]), "Q2_K": (256, 84, [80, 82]),
+                           "Q4_K": (256, 144, [0, 2]), "IQ2_XXS": (256, 66, [0])}[kind]
+    raw = rng.integers(0, 256, (rows, n // per * size), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, size)
+    for o in scale_at:
+        s = rng.uniform(-0.02, 0.02, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, o:o + 2] = s[..., None].view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q2_K", "Q4_K", "IQ2_XXS"])
+@pytest.mark.parametrize("n_tok", [1, 5])
+def test_numba_equals_numpy_on_random_blocks(kind, n_tok):
+    """Same int32 inner sums and the same float32 order: the results are identical, not just close."""
+    rng = np.random.default_rng(100 + n_tok)
+    n = 2048
+    raw = random_rows(rng, kind, 203, n)
+    x = (rng.standard_normal((n_tok, n)) * rng.uniform(0.1, 10)).astype(np.float32)
+    if kind == "Q8_0":
+        a = quantize_q8_0(x)
+        pairs = [(NUMPY.matvec_q8_0_prequant(raw, a), NUMBA.matvec_q8_0_prequant(raw, a))]
+    elif kind == "IQ2_XXS":
+        a = quantize_q8_K(x)
+        up = random_rows(rng, kind, 203, n)
+        pairs = list(zip(NUMPY.matvec_iq2_xxs_pair_q8_K(raw, up, a), NUMBA.matvec_iq2_xxs_pair_q8_K(raw, up, a)))
+    else:
+        a = quantize_q8_K(x)
+        f = "matvec_q2_K_q8_K" if kind == "Q2_K" else "matvec_q4_K_q8_K"
+        pairs = [(getattr(NUMPY, f)(raw, a), getattr(NUMBA, f)(raw, a))]
+    for ref, got in pairs:
+        assert got.shape == ref.shape == (n_tok, 203)
+        assert np.array_equal(got, ref)
+
+
+def test_numba_f16_agrees_with_numpy_to_1e6():
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((300, 4096)).astype(np.float16).view(np.uint8)
+    x = rng.standard_normal((3, 4096)).astype(np.float32)
+    assert rel(NUMBA.matvec_f16(w, x), NUMPY.matvec_f16(w, x)) <= 1e-6
+
+
+def test_batched_activations_equal_one_token_at_a_time(model, ops_A):
+    _, w = model
+    x = np.stack([ops_A[f"L1.P{p}.attn_norm"] for p in (1, 2, 64)])       # [3, 256]
+    for be in BACKENDS:
+        batch = be.matvec_q8_0(w.layers[1].attn_kv, x)
+        assert batch.shape == (3, 256)
+        for t in range(3):
+            assert np.array_equal(batch[t], be.matvec_q8_0(w.layers[1].attn_kv, x[t]))
+
+
+def test_backends_share_one_interface():
+    assert NUMPY.name == "numpy" and NUMBA.name == "numba"
+    assert isinstance(NUMBA, NumbaBackend) and issubclass(NumbaBackend, NumpyBackend)
+    for op in ("matvec_q8_0", "matvec_q8_0_prequant", "matvec_f16", "matvec_iq2_xxs_pair_q8_K",
+               "matvec_iq2_xxs_q8_K", "matvec_q2_K_q8_K", "matvec_q4_K_q8_K"):
+        assert callable(getattr(NUMPY, op)) and callable(getattr(NUMBA, op))
+
+
+def test_numba_decode_matvec_allocates_only_its_output():
+    """A 4096 -> 1024 Q8_0 decode matvec allocates its 4 KB output, not a weight-sized temporary."""
+    rng = np.random.default_rng(3)
+    raw = random_rows(rng, "Q8_0", 1024, 4096)
+    a = quantize_q8_0(rng.standard_normal(4096).astype(np.float32))
+    NUMBA.matvec_q8_0_prequant(raw, a)                 # compile / load from cache first
+    tracemalloc.start()
+    NUMBA.matvec_q8_0_prequant(raw, a)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 64 * 1024, peak
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("be", BACKENDS, ids=lambda b: b.name)
+def test_bad_input_raises_named_errors(be, model):
+    _, w = model
+    lw = w.layers[0]
+    a = quantize_q8_0(np.ones(256, np.float32))
+    with pytest.raises(MatvecError, match="expected type Q8_0, got F16"):
+        be.matvec_q8_0_prequant(lw.ffn_gate_inp, a)
+    with pytest.raises(MatvecError, match="not a whole number of Q8_0 blocks"):
+        be.matvec_q8_0_prequant(lw.attn_kv.data[:, :-1], a)
+    with pytest.raises(MatvecError, match="must be uint8"):
+        be.matvec_q8_0_prequant(lw.attn_kv.data.view(np.int8), a)
+    with pytest.raises(MatvecError, match="has 64 values per row, the weight rows have 256"):
+        be.matvec_q8_0_prequant(lw.attn_kv, quantize_q8_0(np.ones(64, np.float32)))
+    with pytest.raises(MatvecError, match=r"\.d must have shape"):
+        be.matvec_q8_0_prequant(lw.attn_kv, Q8Act(a.qs, a.d[:4]))
+    with pytest.raises(MatvecError, match="qs must be int8"):
+        be.matvec_q8_0_prequant(lw.attn_kv, Q8Act(a.qs.astype(np.int16), a.d))
+    with pytest.raises(MatvecError, match="F16 matvec: x has shape"):
+        be.matvec_f16(lw.ffn_gate_inp, np.ones(255, np.float32))
+    k = quantize_q8_K(np.ones(256, np.float32))
+    with pytest.raises(MatvecError, match="bsums must have shape"):
+        be.matvec_q2_K_q8_K(lw.ffn_down_exps.expert(0), Q8KAct(k.qs, k.d, k.bsums[:8]))
+    with pytest.raises(MatvecError, match="IQ2_XXS pair: gate"):
+        be.matvec_iq2_xxs_pair_q8_K(lw.ffn_gate_exps.expert(0), lw.ffn_up_exps.data[:10], k)
+    with pytest.raises(MatvecError, match="expected type Q2_K, got IQ2_XXS"):
+        be.matvec_q2_K_q8_K(lw.ffn_gate_exps.expert(0), k)
+    with pytest.raises(QuantError, match="NaN"):        # the quantizer refuses non-finite activations
+        be.matvec_q8_0(lw.attn_kv, np.full(256, np.nan, np.float32))
+
+
+@pytest.mark.parametrize("be", BACKENDS, ids=lambda b: b.name)
+def test_non_finite_values_propagate_as_documented(be, model):
+    """Not errors: a NaN in an F16 input gives NaN rows (as ds4.c's float sum), a NaN weight scale a NaN row."""
+    _, w = model
+    x = np.ones(256, np.float32)
+    x[7] = np.nan
+    assert np.isnan(be.matvec_f16(w.layers[0].ffn_gate_inp, x)).all()
+    raw = w.layers[0].attn_kv.data.copy()
+    raw[5, 0:2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)      # row 5, block 0 scale
+    y = be.matvec_q8_0_prequant(raw, quantize_q8_0(np.ones(256, np.float32)))
+    assert np.isnan(y[5]) and np.isfinite(np.delete(y, 5)).all()

@@ -1,0 +1,184 @@
+"""Byte-level BPE with ds4.c's pre-tokenizer, cross-checked against the `tokenizers` package."""
+from __future__ import annotations
+
+import json
+import random
+import unicodedata
+
+import gguf
+import pytest
+from tokenizers import Regex
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from ds4ref.gguf import GGUFFile
+from ds4ref.tokenizer import (REASONING_EFFORT_MAX_PREFIX, SPECIAL_TOKENS, Tokenizer, TokenizerError,
+                              pretokenize)
+
+TEXTS = [
+    "Hello world, the answer is 12345!",
+    "    int main(void) {\n\treturn 0;\n}\n",
+    "def f(x):\n    return x**2  # square\n\n\nclass A: pass",
+    "中文分词测试，还有标点。 and mixed 日本語のテキスト カタカナ",
+    "emoji 😀👍🏽 ok 🇮🇹!",
+    "a  b   c\n\n\n  d\r\n\te\t\t f",
+    "price: $3.14159 ~ 1e-10, 2024-11-30 12:00:00, 0xDEADbeef 1234567890",
+    "x = [1,2,3]; y=x.append(4)\r\n",
+    "Ünïcödé àccents — “quotes” ‘single’ naïve café",
+    "   leading and trailing spaces   ",
+    "tabs\tand\u00a0nbsp\u2003em-space",
+    "<think>not special here</think> <｜User｜>",
+    "",
+    "!!!???...;;;\n\n",
+    "ŁÓDŹ Ωμέγα Кириллица עברית العربية",
+]
+
+JOYAI_REGEX = (r"\p{N}{1,3}|[一-龥぀-ゟ゠-ヿ]+|[\p{P}\p{S}][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+               r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _hf(tokens: list[str], merges: list[str]) -> HFTokenizer:
+    """The `tokenizers` byte-level BPE built from the same vocab and merges (no regex split)."""
+    t = HFTokenizer(models.BPE(vocab={s: i for i, s in enumerate(tokens)},
+                               merges=[tuple(m.split(" ")) for m in merges]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    return t
+
+
+def _hf_ids(hf: HFTokenizer, text: str) -> list[int]:
+    pieces = [p.decode("utf-8") for p in pretokenize(text)]
+    return hf.encode(pieces, is_pretokenized=True).ids if pieces else []
+
+
+@pytest.fixture(scope="module")
+def oracle_vocab(oracle_gguf):
+    g = GGUFFile(oracle_gguf)
+    return list(g.metadata["tokenizer.ggml.tokens"]), list(g.metadata["tokenizer.ggml.merges"])
+
+
+@pytest.fixture(scope="module")
+def trained_vocab():
+    """A richer vocab: 3000-symbol byte-level BPE trained by `tokenizers` on varied text."""
+    corpus = [t * 3 for t in TEXTS if t] + [
+        "The quick brown fox jumps over the lazy dog. " * 5,
+        "for (int i = 0; i < n; i++) { sum += a[i] * b[i]; }\n" * 5,
+        "我们在这里测试中文的分词效果，以及与英文混合的情况。" * 5,
+        "import numpy as np\nx = np.arange(10)\nprint(x.sum())\n" * 5,
+        "ひらがなとカタカナのテスト。" * 5, "1234567890 9876543210 " * 5, "🙂🙃😉😊 " * 5,
+    ]
+    rnd = random.Random(0)
+    alphabets = ["abcdefghijklmnopqrstuvwxyz", "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年",
+                 "αβγδεζηθικλμνξοπρστυφχψω", "(){}[];:.,+-*/=<>!?"]
+    for _ in range(3000):
+        a = rnd.choice(alphabets)
+        corpus.append(" ".join("".join(rnd.choice(a[:rnd.randint(3, len(a))]) for _ in range(rnd.randint(1, 6)))
+                               for _ in range(rnd.randint(1, 8))))
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tr = trainers.BpeTrainer(vocab_size=3000, min_frequency=1, show_progress=False,
+                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                             special_tokens=list(SPECIAL_TOKENS.values()))
+    hf.train_from_iterator(corpus, trainer=tr)
+    model = json.loads(hf.to_str())["model"]
+    vocab = model["vocab"]
+    tokens = [None] * len(vocab)
+    for s, i in vocab.items():
+        tokens[i] = s
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    assert len(merges) > 1000
+    return tokens, merges
+
+
+def test_vocab_matches_gguf_package(oracle_gguf, oracle_vocab):
+    r = gguf.GGUFReader(str(oracle_gguf))
+    f = r.fields["tokenizer.ggml.tokens"]
+    assert oracle_vocab[0] == [bytes(f.parts[i]).decode() for i in f.data]
+    f = r.fields["tokenizer.ggml.merges"]
+    assert oracle_vocab[1] == [bytes(f.parts[i]).decode() for i in f.data]
+    assert len(oracle_vocab[1]) == 761
+
+
+def test_special_ids_of_oracle_vocab(oracle_vocab):
+    tk = Tokenizer(*oracle_vocab)
+    assert (tk.bos_id, tk.eos_id, tk.user_id, tk.assistant_id) == (0, 1, 258, 259)
+    assert (tk.think_start_id, tk.think_end_id, tk.dsml_id) == (260, 261, 262)
+
+
+@pytest.mark.parametrize("which", ["oracle", "trained"])
+def test_bpe_equals_tokenizers_package(which, oracle_vocab, trained_vocab):
+    tokens, merges = oracle_vocab if which == "oracle" else trained_vocab
+    tk, hf = Tokenizer(tokens, merges), _hf(tokens, merges)
+    n_multi = 0
+    for text in TEXTS:
+        ids = tk.encode(text)
+        assert ids == _hf_ids(hf, text), text
+        assert tk.decode(ids) == text
+        n_multi += sum(len(tk.tokens[i]) > 1 for i in ids)
+    assert n_multi > 20          # the merges really fire
+
+
+def test_pretokenizer_equals_joyai_regex():
+    """ds4.c's hand-written split agrees with the JoyAI regex its comment states, on all test texts."""
+    split = pre_tokenizers.Split(Regex(JOYAI_REGEX), behavior="isolated")
+    for text in TEXTS:
+        ours = [p.decode("utf-8") for p in pretokenize(text)]
+        if any(ord(c) > 127 and not unicodedata.category(c).startswith("L") for c in text):
+            continue     # non-ASCII punctuation, symbols, spaces: see the test below
+        assert ours == [p for p, _ in split.pre_tokenize_str(text)], text
+
+
+def test_pretokenizer_differs_from_regex_on_non_ascii_punctuation():
+    """ds4.c counts every non-ASCII byte as a letter, so full-width punctuation joins the word."""
+    split = pre_tokenizers.Split(Regex(JOYAI_REGEX), behavior="isolated")
+    text = "中文，还有。 ok"
+    assert pretokenize(text) == ["中文".encode(), "，还有。".encode(), b" ok"]
+    assert [p for p, _ in split.pre_tokenize_str(text)] == ["中文", "，", "还有", "。", " ok"]
+
+
+def test_pretokenizer_known_splits():
+    assert pretokenize("    int x") == [b"   ", b" int", b" x"]
+    assert pretokenize("12345") == [b"123", b"45"]
+    assert pretokenize("a;\n\nb") == [b"a", b";\n\n", b"b"]
+    assert pretokenize(".append(") == [b".append", b"("]
+    assert pretokenize("中文abc") == ["中文".encode(), b"abc"]
+    assert b"".join(pretokenize(TEXTS[4])) == TEXTS[4].encode()
+
+
+def test_chat_prompt_think_modes(oracle_vocab):
+    tk = Tokenizer(*oracle_vocab)
+    body = tk.encode("hi")
+    assert tk.chat_prompt("hi") == [0, 258] + body + [259, 261]
+    assert tk.chat_prompt("hi", think="high") == [0, 258] + body + [259, 260]
+    sys_ids = tk.encode("be brief")
+    assert tk.chat_prompt("hi", "be brief", "high") == [0] + sys_ids + [258] + body + [259, 260]
+    assert tk.chat_prompt("hi", think="max") == [0] + tk.encode(REASONING_EFFORT_MAX_PREFIX) + [258] + body + [259, 260]
+    with pytest.raises(TokenizerError, match="think"):
+        tk.chat_prompt("hi", think="deep")
+
+
+def test_rendered_chat_recognises_specials(oracle_vocab):
+    tk = Tokenizer(*oracle_vocab)
+    text = "<｜begin▁of▁sentence｜>sys<｜User｜>hi there<｜Assistant｜></think>ok"
+    assert tk.encode_rendered_chat(text) == [0] + tk.encode("sys") + [258] + tk.encode("hi there") + [259, 261] + tk.encode("ok")
+    assert tk.decode(tk.encode_rendered_chat(text)) == text
+
+
+def test_stream_decoder_holds_back_partial_utf8(oracle_vocab):
+    tk = Tokenizer(*oracle_vocab)
+    ids = tk.encode("é中😀")
+    dec = tk.stream_decoder()
+    assert "".join(dec(i) for i in ids) == "é中😀"
+
+
+def test_errors(oracle_vocab):
+    tokens, merges = oracle_vocab
+    with pytest.raises(TokenizerError, match="User"):
+        Tokenizer([t for t in tokens if t != "<｜User｜>"], merges)
+    with pytest.raises(TokenizerError, match="empty"):
+        Tokenizer([], merges)
+    tk = Tokenizer(tokens, merges)
+    with pytest.raises(TokenizerError, match="out of range"):
+        tk.decode([5, 4096])
+    with pytest.raises(TokenizerError, match="merges"):
+        Tokenizer.from_metadata({"tokenizer.ggml.tokens": tokens})
