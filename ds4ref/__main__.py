@@ -105,5 +105,5 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "__file__" in globals():    # run as a program, not in the notebook
     sys.exit(main())

@@ -44,7 +44,8 @@ def attention_scores(q, kv, allowed=None, n_raw=None) -> np.ndarray:
     """Scores q_h . k_r / sqrt(head_dim): q [..., n_head, hd], kv [..., n_rows, hd] -> [..., n_head, n_rows].
 
     allowed: bool [..., n_rows - n_raw] over the rows after the first n_raw (all rows if n_raw is None);
-    masked rows score -1e30. Mirrors ds4.c: layer_attention_mixed_one (l. 6700), its scoring loop"""
+    masked rows score -1e30. The scoring loop of ds4.c's attention.
+    Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
     q, kv = np.asarray(q, dtype=np.float32), np.asarray(kv, dtype=np.float32)
     if q.ndim < 2 or kv.ndim < 2 or q.shape[-1] != kv.shape[-1]:
         raise ValueError(f"attention: q {q.shape} and kv {kv.shape} must be [..., n_head, hd] and [..., n_rows, hd]")

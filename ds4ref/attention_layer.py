@@ -92,7 +92,7 @@ def layer_attention_one(cfg, lw, cache, X, pos: int, be=NUMPY, trace=None, force
 
     Updates `cache` (this layer's LayerCache). trace(name, value) receives ops_A's short names;
     force_indexer (sorted row ids, or all -1) replays a recorded indexer choice.
-    Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069), layer_forward_raw_swa_one (l. 7527)"""
+    Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069), layer_forward_raw_swa_one (l. 7527, attention half)"""
     tr = trace or _no_trace
     X = np.asarray(X, np.float32)
     x, post, comb = hc_pre(X, lw.hc_attn_fn, lw.hc_attn_scale, lw.hc_attn_base, cfg, be)

@@ -6,7 +6,7 @@ from ds4ref.matvec import (matvec_f16, matvec_iq2_xxs_pair_q8_K, matvec_iq2_xxs_
 
 
 class NumpyBackend:
-    """The numpy reference ops as methods; layer code calls `be.matvec_q8_0(w, x)` so a subclass can swap them."""
+    """The numpy reference matvecs as methods; layer code calls `be.matvec_q8_0(w, x)`, so a subclass can swap them."""
     name = "numpy"
     matvec_q8_0 = staticmethod(matvec_q8_0)
     matvec_q8_0_prequant = staticmethod(matvec_q8_0_prequant)

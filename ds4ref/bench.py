@@ -35,7 +35,7 @@ BLOCK = {"Q8_0": (32, 34, [0]), "Q2_K": (256, 84, [80, 82]), "IQ2_XXS": (256, 66
 
 
 def machine() -> dict:
-    """What the numbers were measured on."""
+    """What the numbers were measured on. Mirrors ds4.c: nothing (benchmark harness)"""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -51,7 +51,9 @@ def machine() -> dict:
 
 
 def weight_pool(kind: str, n_in: int, n_out: int, total_bytes: int, rng) -> list[np.ndarray]:
-    """Enough copies of one random weight [n_out, row_bytes] to exceed the caches: each call reads from DRAM."""
+    """Enough copies of one random weight [n_out, row_bytes] to exceed the caches: each call reads from DRAM.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
     per, size, scales = BLOCK[kind]
     row_bytes = n_in // per * size
     n_copies = max(2, -(-total_bytes // (n_out * row_bytes)))
@@ -67,7 +69,9 @@ def weight_pool(kind: str, n_in: int, n_out: int, total_bytes: int, rng) -> list
 
 
 def matvec_call(be, kind: str, x: np.ndarray):
-    """A function w -> be's matvec of kind on the fixed activation x (quantized once, as ds4 does)."""
+    """A function w -> be's matvec of kind on the fixed activation x (quantized once, as ds4 does).
+
+    Mirrors ds4.c: matvec_q8_0_decode_scratch (l. 3582) (quantize once, then the prequant matvec)"""
     if kind == "Q8_0":
         a = quantize_q8_0(x)
         return lambda w: be.matvec_q8_0_prequant(w, a)
@@ -80,7 +84,9 @@ def matvec_call(be, kind: str, x: np.ndarray):
 
 
 def median_seconds(fn, args: list, repeats: int) -> float:
-    """Median wall time of fn(args[i]) over repeats calls, cycling through args (one warm-up call first)."""
+    """Median wall time of fn(args[i]) over repeats calls, cycling through args (one warm-up call first).
+
+    Mirrors ds4.c: now_sec (l. 511) (its own timing of prefill and decode)"""
     fn(args[0])
     times = []
     for i in range(repeats):
@@ -90,38 +96,48 @@ def median_seconds(fn, args: list, repeats: int) -> float:
     return float(np.median(times))
 
 
-@njit(parallel=True, cache=True, fastmath={"reassoc"})
-def _numba_sum(buf, parts):
+@njit(cache=True, fastmath=True)
+def _sum(buf):
+    """A float32 sum that LLVM vectorises (range from 0: no negative-index wraparound code in the loop)."""
+    s = np.float32(0.0)
+    for i in range(buf.shape[0]):
+        s += buf[i]
+    return s
+
+
+@njit(parallel=True, cache=True)
+def _parallel_sum(buf, parts):
     step = buf.shape[0] // parts.shape[0]
     for p in prange(parts.shape[0]):
-        s = np.float32(0.0)
-        for i in range(p * step, (p + 1) * step):
-            s += buf[i]
-        parts[p] = s
+        parts[p] = _sum(buf[p * step:(p + 1) * step])
 
 
 def read_bandwidth(buf: np.ndarray) -> dict:
-    """GB/s of summing a buffer much larger than the caches: numpy on 1 and on 2 threads, numba on all threads."""
+    """GB/s of summing a float32 buffer much larger than the caches: numba on 1 and on all threads, numpy on 1 and 2.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
     parts = np.zeros(64, np.float32)
-    _numba_sum(buf, parts)
     halves = np.array_split(buf, 2)
     out = {}
     with ThreadPoolExecutor(2) as pool:
-        for name, fn in [("numpy_sum_1_thread", lambda: buf.sum()),
-                         ("numpy_sum_2_threads", lambda: list(pool.map(np.sum, halves))),
-                         ("numba_parallel_sum", lambda: _numba_sum(buf, parts))]:
+        for name, fn in [("numba_sum_1_thread", lambda: _sum(buf)),
+                         ("numba_sum_all_threads", lambda: _parallel_sum(buf, parts)),
+                         ("numpy_sum_1_thread", lambda: buf.sum()),
+                         ("numpy_sum_2_threads", lambda: list(pool.map(np.sum, halves)))]:
             out[name] = buf.nbytes / median_seconds(lambda _: fn(), [None], 5) / 1e9
     return out
 
 
-def bench_matvec(repeats: int = 30, backends: tuple[str, ...] = ("numpy", "numba"), out: Path | None = None,
+def bench_matvec(repeats: int = 30, backends: tuple[str, ...] = ("numpy", "numba:1", "numba"), out: Path | None = None,
                  pool_bytes: int = 192 << 20, seed: int = 0) -> dict:
     """Time each matvec kernel per backend at ds4's shapes; GB/s of weight bytes read, and the ratio to the
-    read bandwidth measured in the same run. Writes book/results/matvec_bench.json."""
+    read bandwidth measured in the same run. A backend "numba:1" is numba on one thread. Writes
+    book/results/matvec_bench.json. Mirrors ds4.c: nothing (benchmark harness)"""
     from ds4ref.numba_kernels import NUMBA
     bes = {"numpy": NUMPY, "numba": NUMBA}
+    all_threads = numba.get_num_threads()
     rng = np.random.default_rng(seed)
-    buf = np.ones(pool_bytes // 4 * 2, np.float32)         # 2x the weight pool: far beyond the 32 MB L3
+    buf = np.ones(pool_bytes // 4 * 2, np.float32)         # 2x the weight pool: far beyond the last-level cache
     bandwidth = []
     results = []
     for label, kind, n_in, n_out in MATVEC_SHAPES:
@@ -131,18 +147,24 @@ def bench_matvec(repeats: int = 30, backends: tuple[str, ...] = ("numpy", "numba
         nbytes = sum(w.nbytes for w in (pool[0] if kind == "IQ2_XXS" else [pool[0]]))
         x = rng.standard_normal(n_in).astype(np.float32)
         bandwidth.append(read_bandwidth(buf))
-        for name in backends:
+        for spec in backends:
+            name, _, threads = spec.partition(":")
+            numba.set_num_threads(int(threads) if threads else all_threads)
             reps = repeats if name != "numpy" else max(3, repeats // 6)
-            sec = median_seconds(matvec_call(bes[name], kind, x), pool, reps)
-            results.append({"kernel": label, "type": kind, "n_in": n_in, "n_out": n_out, "backend": name,
+            try:
+                sec = median_seconds(matvec_call(bes[name], kind, x), pool, reps)
+            finally:
+                numba.set_num_threads(all_threads)
+            results.append({"kernel": label, "type": kind, "n_in": n_in, "n_out": n_out, "backend": spec,
+                            "threads": int(threads) if threads else (all_threads if name != "numpy" else 1),
                             "weight_bytes": nbytes, "median_s": sec, "gb_per_s": nbytes / sec / 1e9, "repeats": reps})
         del pool
     bw = {k: float(np.median([b[k] for b in bandwidth])) for k in bandwidth[0]}
     best = max(bw.values())
     for r in results:
         r["ratio_to_read_bandwidth"] = r["gb_per_s"] / best
-    report = {"machine": machine(), "read_bandwidth_gb_per_s": bw, "read_bandwidth_best": best,
-              "results": results}
+    report = {"machine": machine(), "load_average": list(os.getloadavg()), "read_bandwidth_gb_per_s": bw,
+              "read_bandwidth_best": best, "results": results}
     print(f"read bandwidth (median of {len(bandwidth)}): " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items()) + " GB/s")
     print(f"{'kernel':44s} {'backend':8s} {'ms':>8s} {'GB/s':>7s} {'of bw':>6s}")
     for r in results:
@@ -156,12 +178,12 @@ def bench_matvec(repeats: int = 30, backends: tuple[str, ...] = ("numpy", "numba
 
 
 def main(argv=None) -> int:
-    """`python -m ds4ref.bench {matvec,engine,all}`."""
+    """`python -m ds4ref.bench {matvec,engine,all}`. Mirrors ds4.c: nothing (benchmark harness)"""
     p = argparse.ArgumentParser(prog="python -m ds4ref.bench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("matvec", help="matvec kernels at ds4's shapes, per backend")
     m.add_argument("--repeats", type=int, default=30)
-    m.add_argument("--backends", default="numpy,numba")
+    m.add_argument("--backends", default="numpy,numba:1,numba", help="numpy, numba (all threads), numba:N")
     m.add_argument("--out", type=Path, default=None)
     sub.add_parser("engine", help="whole-engine benchmark (ds4ref.bench_engine, chapter 09)")
     sub.add_parser("all", help="matvec, then engine")

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections import defaultdict
 
-from ds4ref.gguf import GGUFError
 from ds4ref.weights import load_model
 
 
@@ -43,18 +40,3 @@ def model_summary(path) -> str:
         for name, (n, b) in sorted(per_type.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {name:8s} {n:5d} tensors {_mb(b):>14s} {100 * b / total:6.2f} %")
         return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    """`python -m ds4ref [model.gguf]`: print the summary of a model (default: the bundled one)."""
-    from ds4ref.writer import default_model_path
-    ap = argparse.ArgumentParser(prog="ds4ref", description="ds4.c rebuilt in Python")
-    ap.add_argument("model", nargs="?", help="a DS4 GGUF (default: the bundled tiny model)")
-    args = ap.parse_args(argv)
-    path = args.model or default_model_path()
-    try:
-        print(f"{path}\n{model_summary(path)}")
-    except GGUFError as e:
-        print(f"ds4ref: {e}", file=sys.stderr)
-        return 1
-    return 0

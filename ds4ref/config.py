@@ -242,8 +242,8 @@ def _get(md: dict, types: dict | None, key: str, allowed: tuple):
 def config_from_metadata(md: dict, types: dict | None = None) -> ModelConfig:
     """Read and check a ModelConfig from GGUF metadata (types: key -> GGUF type tuple, as GGUFFile has).
 
-    Mirrors ds4.c: config_validate_model (l. 2564), validate_compress_ratio_metadata (l. 2474),
-    validate_swiglu_clamp_metadata (l. 2510)"""
+    Also validate_compress_ratio_metadata (l. 2474) and validate_swiglu_clamp_metadata (l. 2510).
+    Mirrors ds4.c: config_validate_model (l. 2564)"""
     U32, F32 = ((V.UINT32,),), ((V.FLOAT32,), (V.FLOAT64,), (V.UINT32,), (V.INT32,))
     kw = {f: _get(md, types, key, U32) for f, key in U32_KEYS.items()}
     for key in ("expert_group_count", "expert_group_used_count"):   # optional, must be 0
@@ -274,7 +274,9 @@ def config_from_metadata(md: dict, types: dict | None = None) -> ModelConfig:
 
 
 def config_to_metadata(cfg: ModelConfig) -> list[tuple[str, tuple, object]]:
-    """The `deepseek4.*` keys that describe cfg, as (key, GGUF type tuple, value), in ds4.c's order."""
+    """The `deepseek4.*` keys that describe cfg, as (key, GGUF type tuple, value), in ds4.c's order.
+
+    Mirrors ds4.c: config_validate_model (l. 2564)"""
     out = [(f"{ARCH}.{key}", (V.UINT32,), getattr(cfg, f)) for f, key in U32_KEYS.items()]
     out.append((f"{ARCH}.rope.scaling.original_context_length", (V.UINT32,), cfg.rope_orig_ctx))
     out += [(f"{ARCH}.{key}", (V.FLOAT32,), getattr(cfg, f)) for f, (key, _) in F32_KEYS.items()]

@@ -262,7 +262,7 @@ class Session:
     def restore(self, snap: Snapshot) -> None:
         """Return to a snapshot's state exactly (cache, tokens, logits).
 
-        Mirrors ds4.c: ds4_session_load_snapshot (l. 16659)
+        Mirrors ds4.c: ds4_session_load_snapshot (l. 16698)
         """
         if not isinstance(snap, Snapshot):
             raise SessionError(f"restore: expected a Snapshot, got {type(snap).__name__}")
@@ -313,7 +313,7 @@ class Session:
 
     # -- reading the logits ----------------------------------------------------------------------
     def argmax(self) -> int:
-        """Greedy next token (first maximum). Mirrors ds4.c: ds4_session_argmax (l. 17621)"""
+        """Greedy next token (first maximum). Mirrors ds4.c: ds4_session_argmax (l. 17620)"""
         return sample_argmax(self.logits)
 
     def sample(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,

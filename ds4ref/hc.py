@@ -13,6 +13,7 @@ def _f32(t) -> np.ndarray:
 
 
 def _check_hc_state(X, cfg, what: str) -> np.ndarray:
+    """X as float32 [..., n_hc, n_embd], or a ValueError naming the function `what`."""
     X = np.asarray(X, dtype=np.float32)
     if X.ndim < 2 or X.shape[-2:] != (cfg.n_hc, cfg.n_embd):
         raise ValueError(f"{what}: HC state has shape {X.shape}, expected [..., {cfg.n_hc}, {cfg.n_embd}]")
@@ -30,7 +31,8 @@ def hc_from_plain_embedding(x, n_hc: int = 4) -> np.ndarray:
 def hc_mix(X, fn, cfg, be=NUMPY) -> np.ndarray:
     """The HC control vector: fn @ rms_norm_no_weight(flatten(X)); X [..., n_hc, n_embd] -> [..., rows of fn].
 
-    Mirrors ds4.c: hc_pre_from_state_one_scratch (l. 4356), steps 1-2"""
+    Steps 1-2 (flat norm, F16 matvec) of hc_pre.
+    Mirrors ds4.c: hc_pre_from_state_one_scratch (l. 4356)"""
     X = _check_hc_state(X, cfg, "hc_mix")
     flat = rms_norm_no_weight(X.reshape(X.shape[:-2] + (-1,)), cfg.rms_eps)
     return be.matvec_f16(fn, flat)
@@ -102,6 +104,7 @@ def hc_post(y, X, post, comb) -> np.ndarray:
 
 
 def _sigmoid_stable(z: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-z) from e^-|z|, which never overflows. Mirrors ds4.c: sigmoid_stable (l. 4957)"""
     e = np.exp(-np.abs(z))
     one = np.float32(1.0)
     return np.where(z >= 0, one / (one + e), e / (one + e))

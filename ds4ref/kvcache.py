@@ -110,8 +110,9 @@ class LayerCache:
     def finish_prefill_states(self, n_tokens: int) -> None:
         """After a prefill of n_tokens, reset the state rows the open window has not written yet.
 
-        Those rows are rewritten before the next pooling reads them, so no output changes; ds4.c does it
-        so that a saved state equals the streaming one. Mirrors ds4.c: kv_cache_finish_prefill_states (l. 6436)"""
+        Those rows are rewritten before the next pooling reads them, so no output changes.
+        Mirrors ds4.c: compressor_finish_prefill_state_cpu (l. 6414), called per layer by
+        kv_cache_finish_prefill_states (l. 6436)"""
         if not self.ratio:
             return
         rem = n_tokens % self.ratio
@@ -140,7 +141,7 @@ class LayerCache:
 class KVCache:
     """The model's KV state: one LayerCache per layer (`.layers`, indexable), with snapshots and byte counts.
 
-    Mirrors ds4.c: ds4_kv_cache (l. 6175), kv_cache_init (l. 6333)"""
+    Mirrors ds4.c: ds4_kv_cache (l. 6172), kv_cache_init (l. 6333)"""
 
     def __init__(self, cfg, ctx_size: int):
         self.ctx_size = ctx_size

@@ -75,6 +75,8 @@ def forward_token(cfg, w, cache, token: int, pos: int, be=NUMPY, trace: Trace | 
     p = np.array([pos])
     for il, lw in enumerate(w.layers):
         hook = trace.at(il, pos) if trace is not None else None
+        if hook is not None:
+            hook("hc_in", X)
         fi = _forced(force, "indexer", il, p)
         fe = _forced(force, "experts", il, p)
         X = layer_attention_one(cfg, lw, cache.layers[il], X, pos, be, trace=hook,
@@ -103,10 +105,14 @@ def prefill(cfg, w, cache, tokens: Sequence[int], be=NUMPY, trace: Trace | None 
     pos = np.arange(T)
     for il, lw in enumerate(w.layers):
         hook = trace.batch(il, 0, T) if trace is not None else None
+        if hook is not None:
+            hook("hc_in", Xs)
         Xs = layer_attention_batch(cfg, lw, cache.layers[il], Xs, 0, be, trace=hook,
                                    force_indexer=_forced(force, "indexer", il, pos))
         Xs = layer_ffn_batch(cfg, lw, Xs, tokens, be, trace=hook,
                              force_experts=_forced(force, "experts", il, pos))
         if progress is not None:
             progress(il + 1, len(w.layers))
+    for layer_cache in cache.layers:           # ds4.c l. 7911: clear compressor rows not yet written
+        layer_cache.finish_prefill_states(T)
     return output_logits(cfg, w, Xs[-1], be, trace.at(None, T - 1) if trace is not None else None)

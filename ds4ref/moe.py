@@ -325,7 +325,7 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=None, force_experts=Non
 def layer_ffn_batch(cfg, lw, Xs, tokens, be=NUMPY, trace=None, force_experts=None):
     """The FFN sub-layer for T tokens: Xs [T, n_hc, n_embd] -> [T, n_hc, n_embd], equal to T x layer_ffn_one.
 
-    HC pre, norm, shared expert and HC post run batched; the routed experts are grouped by expert.
+    Norm, shared expert and HC post run batched (HC pre's F16 mix per token); the routed experts are grouped by expert.
     Trace values carry a leading [T] axis; force_experts is [T, 6].
     Mirrors ds4.c: layer_ffn_batch (l. 5838) with layer_routed_moe_batch (l. 5509)"""
     Xs = np.asarray(Xs, np.float32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import numpy as np
-from numba import config, njit, prange
+from numba import config, get_num_threads, njit, prange, set_num_threads
 
 from ds4ref.backend import NumpyBackend
 from ds4ref.matvec import (MatvecError, q8_0_fields, q8_K_fields, row_elements, weight_rows)
@@ -14,21 +14,27 @@ from ds4ref.quant import iq2xxs_grid, iq2xxs_signs, quantize_q8_0
 
 # f16 bit pattern -> float32, so kernels can read f16 scales straight from the bytes (numba has no float16)
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-# iq2xxs_signed_grid[g, s] = grid row g with sign pattern s applied: int8 [256 * 128 * 8] (ds4.c l. 303)
-IQ2XXS_SIGNED_GRID = (iq2xxs_grid[:, None, :].astype(np.int8) * iq2xxs_signs[None, :, :]).reshape(-1)
+# the IQ2_XXS grid (uint8 [256 * 8], 2 KB) and sign rows (int8 [128 * 8], +-1, 1 KB): small enough for L1
+IQ2XXS_GRID = np.ascontiguousarray(iq2xxs_grid.reshape(-1))
+IQ2XXS_SIGNS = np.ascontiguousarray(iq2xxs_signs.reshape(-1))
 
 
 
-def run_kernel(kernel, *args) -> None:
-    """Call a numba kernel, compiling it (first call only) with LLVM's SLP vectorizer switched on.
+def run_kernel(kernel, n_rows: int, *args, min_rows: int = 512) -> None:
+    """Call a numba kernel over n_rows output rows; compile it (first call only) with LLVM's SLP vectorizer on.
 
-    numba leaves SLP off by default; without it the fully unrolled 32-wide int8 dots stay scalar (~4x slower)."""
-    old = config.SLP_VECTORIZE
+    numba leaves SLP off by default; without it the fully unrolled 32-wide int8 dots stay scalar (~4x slower).
+    Like ds4.c, fewer than `min_rows` rows run on the calling thread alone: waking the other threads costs
+    more than it saves. Mirrors ds4.c: ds4_parallel_for_min_rows (l. 736)"""
+    old_slp, old_threads = config.SLP_VECTORIZE, get_num_threads()
     config.SLP_VECTORIZE = 1
+    if n_rows < min_rows:
+        set_num_threads(1)
     try:
         kernel(*args)
     finally:
-        config.SLP_VECTORIZE = old
+        config.SLP_VECTORIZE = old_slp
+        set_num_threads(old_threads)
 
 
 @njit(inline="always")
@@ -132,34 +138,40 @@ def q4_K_kernel(w, yq, yd, ybs, lut, out):
 
 
 @njit(inline="always")
-def _iq2_xxs_row(w, r, yq, yd, t, grid, lut):
-    """One IQ2_XXS row against Q8_K activation t: 1/8 sum_b f16(d) d_y bsum_b."""
+def _iq2_xxs_row(w, r, yq, yd, t, grid, signs, lut):
+    """One IQ2_XXS row of w against Q8_K activation t: (1/8) sum_b f16(d_b) d_y,b bsum_b."""
     acc = np.float32(0.0)
     for b in range(w.shape[1] // 66):
         o = b * 66 + 2
         bsum = np.int32(0)
-        for g in range(8):                               # 32-value groups
+        for g in range(8):                               # 32-value groups: 4 grid bytes, then a 32-bit word
             go = o + 8 * g
             word = (np.uint32(w[r, go + 4]) | (np.uint32(w[r, go + 5]) << 8)
                     | (np.uint32(w[r, go + 6]) << 16) | (np.uint32(w[r, go + 7]) << 24))
+            # for each 8 values: a row of the grid and a row of the sign table (7-bit index), 8 entries each
+            a0, s0 = np.int32(w[r, go]) * 8, np.int32(word & 127) * 8
+            a1, s1 = np.int32(w[r, go + 1]) * 8, np.int32((word >> 7) & 127) * 8
+            a2, s2 = np.int32(w[r, go + 2]) * 8, np.int32((word >> 14) & 127) * 8
+            a3, s3 = np.int32(w[r, go + 3]) * 8, np.int32((word >> 21) & 127) * 8
+            e = b * 256 + 32 * g
             sumi = np.int32(0)
-            for l in range(4):                           # 8 values per grid point
-                base = (np.int32(w[r, go + l]) * 128 + np.int32((word >> (7 * l)) & 127)) * 8
-                e0 = b * 256 + 32 * g + 8 * l
-                for k in range(8):
-                    sumi += np.int32(grid[base + k]) * np.int32(yq[t, e0 + k])
-            bsum += sumi * np.int32(2 * (word >> 28) + 1)
+            for k in range(8):
+                sumi = np.int32(sumi + np.int32(grid[a0 + k]) * np.int32(signs[s0 + k]) * np.int32(yq[t, e + k])
+                                + np.int32(grid[a1 + k]) * np.int32(signs[s1 + k]) * np.int32(yq[t, e + 8 + k])
+                                + np.int32(grid[a2 + k]) * np.int32(signs[s2 + k]) * np.int32(yq[t, e + 16 + k])
+                                + np.int32(grid[a3 + k]) * np.int32(signs[s3 + k]) * np.int32(yq[t, e + 24 + k]))
+            bsum = np.int32(bsum + sumi * np.int32(2 * (word >> 28) + 1))
         acc += (_f16(lut, w, r, o - 2) * yd[t, b]) * np.float32(bsum)
     return np.float32(0.125) * acc
 
 
 @njit(parallel=True, cache=True)
-def iq2_xxs_pair_kernel(wg, wu, yq, yd, grid, lut, out_g, out_u):
+def iq2_xxs_pair_kernel(wg, wu, yq, yd, grid, signs, lut, out_g, out_u):
     """Gate and up IQ2_XXS rows against one Q8_K activation. Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
     for r in prange(wg.shape[0]):
         for t in range(yq.shape[0]):
-            out_g[t, r] = _iq2_xxs_row(wg, r, yq, yd, t, grid, lut)
-            out_u[t, r] = _iq2_xxs_row(wu, r, yq, yd, t, grid, lut)
+            out_g[t, r] = _iq2_xxs_row(wg, r, yq, yd, t, grid, signs, lut)
+            out_u[t, r] = _iq2_xxs_row(wu, r, yq, yd, t, grid, signs, lut)
 
 
 def _out(n_tok: int, rows: int) -> np.ndarray:
@@ -177,17 +189,20 @@ class NumbaBackend(NumpyBackend):
 
     @staticmethod
     def matvec_q8_0_prequant(w, a) -> np.ndarray:
+        """As ds4ref.matvec.matvec_q8_0_prequant, by q8_0_kernel. Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
         raw = _rows(w, 8)
         (xq, xd), lead = q8_0_fields(a, row_elements(raw, 8))
         out = _out(len(xq), raw.shape[0])
-        run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out)
+        run_kernel(q8_0_kernel, raw.shape[0], raw, xq, xd, F16_TO_F32, out)
         return out.reshape(lead + (raw.shape[0],))
 
     def matvec_q8_0(self, w, x) -> np.ndarray:
+        """Quantize x to Q8_0, then the kernel. Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
         return self.matvec_q8_0_prequant(w, quantize_q8_0(x))
 
     @staticmethod
     def matvec_f16(w, x) -> np.ndarray:
+        """As ds4ref.matvec.matvec_f16, by f16_kernel. Mirrors ds4.c: matvec_f16 (l. 2841)"""
         raw = _rows(w, 1)
         n = row_elements(raw, 1)
         x = np.asarray(x)
@@ -195,37 +210,44 @@ class NumbaBackend(NumpyBackend):
             raise MatvecError(f"F16 matvec: x has shape {x.shape}, the weight rows have {n} values")
         x2 = np.ascontiguousarray(x.reshape(-1, n), dtype=np.float32)
         out = _out(len(x2), raw.shape[0])
-        run_kernel(f16_kernel, raw.view(np.uint16), x2, F16_TO_F32, out)
+        run_kernel(f16_kernel, raw.shape[0], raw.view(np.uint16), x2, F16_TO_F32, out,
+                   min_rows=1 if raw.shape[0] * n >= 262144 else 512)   # as matvec_f16 (l. 2841)
         return out.reshape(x.shape[:-1] + (raw.shape[0],))
 
     @staticmethod
     def matvec_q2_K_q8_K(w, a) -> np.ndarray:
+        """As ds4ref.matvec.matvec_q2_K_q8_K, by q2_K_kernel. Mirrors ds4.c: matvec_q2_k_worker (l. 3972)"""
         raw = _rows(w, 10)
         (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, 10))
         out = _out(len(yq), raw.shape[0])
-        run_kernel(q2_K_kernel, raw, yq, yd, ybs, F16_TO_F32, out)
+        run_kernel(q2_K_kernel, raw.shape[0], raw, yq, yd, ybs, F16_TO_F32, out)
         return out.reshape(lead + (raw.shape[0],))
 
     @staticmethod
     def matvec_q4_K_q8_K(w, a) -> np.ndarray:
+        """As ds4ref.matvec.matvec_q4_K_q8_K, by q4_K_kernel. Mirrors ds4_cuda.cu: dev_dot_q4_K_q8_K_block (l. 7989)"""
         raw = _rows(w, 12)
         (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, 12))
         out = _out(len(yq), raw.shape[0])
-        run_kernel(q4_K_kernel, raw, yq, yd, ybs, F16_TO_F32, out)
+        run_kernel(q4_K_kernel, raw.shape[0], raw, yq, yd, ybs, F16_TO_F32, out)
         return out.reshape(lead + (raw.shape[0],))
 
     @staticmethod
     def matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
+        """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K, by iq2_xxs_pair_kernel.
+
+        Mirrors ds4.c: matvec_iq2_xxs_pair_worker (l. 3836)"""
         g_raw, u_raw = _rows(w_gate, 16), _rows(w_up, 16)
         if g_raw.shape != u_raw.shape:
             raise MatvecError(f"IQ2_XXS pair: gate {g_raw.shape} and up {u_raw.shape} do not match")
         (yq, yd, _), lead = q8_K_fields(a, row_elements(g_raw, 16))
         g, u = _out(len(yq), g_raw.shape[0]), _out(len(yq), g_raw.shape[0])
-        run_kernel(iq2_xxs_pair_kernel, g_raw, u_raw, yq, yd, IQ2XXS_SIGNED_GRID, F16_TO_F32, g, u)
+        run_kernel(iq2_xxs_pair_kernel, g_raw.shape[0], g_raw, u_raw, yq, yd, IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, g, u)
         shape = lead + (g_raw.shape[0],)
         return g.reshape(shape), u.reshape(shape)
 
     def matvec_iq2_xxs_q8_K(self, w, a) -> np.ndarray:
+        """One IQ2_XXS weight: the pair kernel with the weight as both halves. Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
         return self.matvec_iq2_xxs_pair_q8_K(w, w, a)[0]
 
 

@@ -26,7 +26,7 @@ block_q4_K = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs
 block_q8_K = np.dtype([("d", "<f4"), ("qs", "i1", QK_K), ("bsums", "<i2", 16)])        # l. 146
 block_iq2_xxs = np.dtype([("d", "<f2"), ("qs", "<u2", 32)])                              # l. 152
 
-# the Python twin of ds4.c's DS4_STATIC_ASSERTs (l. 160-163)
+# the Python twin of ds4.c's DS4_STATIC_ASSERTs (l. 158-161)
 assert block_q8_0.itemsize == 34 and block_q2_K.itemsize == 84 and block_q4_K.itemsize == 144
 assert block_q8_K.itemsize == 292 and block_iq2_xxs.itemsize == 66
 
@@ -54,7 +54,8 @@ def _type_info(ggml_type) -> tuple[int, int, np.dtype]:
 def row_bytes(n: int, ggml_type) -> int:
     """Bytes of one row of n elements of this type (n must be a multiple of the block).
 
-    Mirrors ds4.c: gguf_types (l. 856), the block size table behind every tensor byte count
+    The same block sizes as ds4.c's table that every tensor byte count comes from.
+    Mirrors ds4.c: gguf_types (l. 856)
     """
     elems, nbytes, _ = _type_info(ggml_type)
     if n % elems:
@@ -101,7 +102,10 @@ def _dequantize_q8_0(raw) -> np.ndarray:
 
 
 class Q8Act(NamedTuple):
-    """A Q8_0-quantized activation: qs int8 [..., n] (n padded to 32), d float32 [..., n/32]."""
+    """A Q8_0-quantized activation: qs int8 [..., n] (n padded to 32), d float32 [..., n/32].
+
+    Mirrors ds4.c: the xq / scale outputs of quantize_q8_0_activation (l. 3195)
+    """
     qs: np.ndarray
     d: np.ndarray
 
@@ -114,6 +118,22 @@ def _finite_f32(x, what: str) -> np.ndarray:
         bad = np.flatnonzero(~np.isfinite(x.reshape(-1)))
         raise QuantError(f"{what}: input has {bad.size} NaN/inf value(s), first at flat index {bad[0]}")
     return x
+
+
+def _int8_codes(xb, num: float, den) -> np.ndarray:
+    """clamp(rint(x * f32(num / den)), -128, 127) for blocks xb [..., nb, k] with den [..., nb]; 0 where den == 0.
+
+    Where num/den overflows float32 (|den| < 127/FLT_MAX, far below any real activation) ds4.c would call
+    lrintf(inf), which is undefined; we use the float64 factor there, which gives the intended codes.
+    """
+    with np.errstate(divide="ignore", over="ignore"):
+        f = (np.float32(num) / den).astype(np.float32)
+    ok = np.isfinite(f)
+    q = np.rint(xb * np.where(ok, f, np.float32(0))[..., None])
+    if not ok.all():
+        f64 = np.where(den != 0, num / np.where(den != 0, den, 1).astype(np.float64), 0.0)
+        q = np.where(ok[..., None], q, np.rint(xb * f64[..., None]))
+    return np.clip(q, -128, 127).astype(np.int8)
 
 
 def quantize_q8_0(x) -> Q8Act:
@@ -130,15 +150,16 @@ def quantize_q8_0(x) -> Q8Act:
         x = np.concatenate([x, np.zeros((*x.shape[:-1], nb * 32 - n), np.float32)], axis=-1)
     xb = x.reshape(*x.shape[:-1], nb, 32)
     amax = np.abs(xb).max(axis=-1)                                  # [..., nb]
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(xb * inv[..., None]), -128, 127).astype(np.int8)
+    q = _int8_codes(xb, 127, amax)
     d = (amax * np.float32(1 / 127)).astype(np.float32)
     return Q8Act(q.reshape(*x.shape[:-1], nb * 32), d)
 
 
 class Q8KAct(NamedTuple):
-    """A Q8_K-quantized activation: qs int8 [..., n], d float32 [..., n/256], bsums int16 [..., n/16]."""
+    """A Q8_K-quantized activation: qs int8 [..., n], d float32 [..., n/256], bsums int16 [..., n/16].
+
+    Mirrors ds4.c: block_q8_K (l. 146), one per 256 values, split into three arrays
+    """
     qs: np.ndarray
     d: np.ndarray
     bsums: np.ndarray
@@ -157,9 +178,7 @@ def quantize_q8_K(x) -> Q8KAct:
         raise QuantError(f"quantize_q8_K: length {n} is not a multiple of {QK_K}")
     xb = x.reshape(*x.shape[:-1], n // QK_K, QK_K)
     m = np.take_along_axis(xb, np.abs(xb).argmax(axis=-1)[..., None], axis=-1)[..., 0]
-    with np.errstate(divide="ignore"):
-        iscale = np.where(m != 0, np.float32(-127) / m, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(iscale[..., None] * xb), -128, 127).astype(np.int8)
+    q = _int8_codes(xb, -127, m)
     d = (m * np.float32(-1 / 127)).astype(np.float32) + np.float32(0)  # + 0 turns -0.0 into 0.0
     bsums = q.reshape(*q.shape[:-1], 16, 16).sum(axis=-1, dtype=np.int16)
     return Q8KAct(q.reshape(x.shape), d, bsums.reshape(*x.shape[:-1], n // 16))
@@ -194,7 +213,8 @@ def _dequantize_q2_K(raw) -> np.ndarray:
 def q4_K_scale_min(scales):
     """Q4_K's 12 packed bytes [..., 12] -> 6-bit (sc, m), each uint8 [..., 8].
 
-    Mirrors ds4_cuda.cu: dev_q4_K_get_scale_min (l. 7965); ds4.c has no CPU Q4_K kernel
+    ds4.c has no CPU Q4_K kernel; the GPU decoder is ds4_cuda.cu's dev_q4_K_get_scale_min (l. 7965).
+    Mirrors ds4.c: block_q4_K (l. 139)
     """
     s = scales.astype(np.uint8)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
@@ -337,8 +357,9 @@ def _dequantize_iq2_xxs(raw) -> np.ndarray:
 def dequantize(raw, ggml_type) -> np.ndarray:
     """Raw uint8 [..., row_bytes] of a ggml type -> float32 [..., row_elements], vectorised over all blocks.
 
-    Supports F32, F16, BF16, Q8_0, Q2_K, Q4_K, Q8_K and IQ2_XXS.
-    Mirrors ds4.c: f16_to_f32 (l. 1514) and the weight decoding inside the dot kernels (l. 1769-1976)
+    Supports F32, F16, BF16, Q8_0, Q2_K, Q4_K, Q8_K and IQ2_XXS: the values that ds4.c's dot kernels
+    decode on the fly (ds4_vec_dot_q2_K_q8_K, ds4_vec_dot_iq2_xxs_q8_K, l. 1769-1976).
+    Mirrors ds4.c: f16_to_f32 (l. 1514)
     """
     _type_info(ggml_type)
     t = int(ggml_type)
@@ -459,8 +480,9 @@ def _round_half_away(v: np.ndarray) -> np.ndarray:
 
 def _f16_up(v: np.ndarray) -> np.ndarray:
     """The smallest F16 value >= v (v >= 0, finite), as float32: a scale rounded so that it still covers v."""
-    h = np.asarray(v, np.float32).astype(np.float16)
-    h = np.where(h.astype(np.float32) < v, np.nextafter(h, np.float16(np.inf)), h)
+    with np.errstate(over="ignore"):                      # inf only beyond F16; quantize checks the range
+        h = np.asarray(v, np.float32).astype(np.float16)
+        h = np.where(h.astype(np.float32) < v, np.nextafter(h, np.float16(np.inf)), h)
     return h.astype(np.float32)
 
 
@@ -562,65 +584,69 @@ _GRID_F = iq2xxs_grid.astype(np.float32)
 IQ2_XXS_D_FACTORS = (1.0, 0.92, 0.84, 0.76, 0.68)  # candidate super-block scales, x amax / (43 * 31/8)
 
 
-def _iq2_xxs_search(xv, wv, dg):
-    """Best signed grid point per 8-vector at group scale dg.
+def _iq2_xxs_prepare(xv, wv):
+    """The d-independent parts of the search for 8-vectors xv, weights wv [N, 32, 8].
 
-    xv, wv: [N, 32, 8] values and importance weights; dg: [N, 8, S] candidate group scales.
-    Returns (err [N, 8, S] weighted squared error per group, grid index [N, 32, S], flip [N, 32, S]:
-    the element whose sign must be flipped to make the number of minus signs even, or -1).
+    Returns A [N, 32, 256] (sum_k w|x|g, minus the cheapest parity flip), B [N, 32, 256] (sum_k w g^2),
+    kflip [N, 32, 256] (the position that flip would use) and odd [N, 32] (x has an odd number of negatives).
     """
-    ax = np.abs(xv)
-    odd = (np.count_nonzero(xv < 0, axis=-1) & 1).astype(bool)               # [N, 32]
-    wa = wv * ax
-    A = wa @ _GRID_F.T                                                         # sum_k w|x| g   [N, 32, 256]
-    cost = wa[..., None, :] * _GRID_F                                          # per-element flip cost / 2
-    kflip = cost.argmin(axis=-1)                                               # [N, 32, 256]
-    A = A - 2 * np.where(odd[..., None], np.take_along_axis(cost, kflip[..., None], -1)[..., 0], 0)
-    B = wv @ (_GRID_F ** 2).T                                                  # sum_k w g^2    [N, 32, 256]
+    odd = (np.count_nonzero(xv < 0, axis=-1) & 1).astype(bool)
+    wa = wv * np.abs(xv)
+    cost = wa[..., None, :] * _GRID_F                                          # [N, 32, 256, 8]
+    kflip = cost.argmin(axis=-1)
+    A = wa @ _GRID_F.T - 2 * np.where(odd[..., None], np.take_along_axis(cost, kflip[..., None], -1)[..., 0], 0)
+    return A, wv @ (_GRID_F ** 2).T, kflip, odd
+
+
+def _iq2_xxs_search(A, B, dg):
+    """Best grid point of every 8-vector for each candidate group scale dg [N, 8, S] (dg > 0).
+
+    The error of point g is dg * (dg*B_g - 2*A_g) + sum w x^2, so the argmin of dg*B - 2A picks it.
+    Returns (err - sum w x^2 per group [N, 8, S], grid index [N, 32, S]).
+    """
     dgv = np.repeat(dg, 4, axis=1)[..., None]                                  # [N, 32, S, 1]
-    E = dgv * (dgv * B[:, :, None, :] - 2 * A[:, :, None, :])                  # err - sum w x^2
-    gi = E.argmin(axis=-1)                                                     # [N, 32, S]
-    e = np.take_along_axis(E, gi[..., None], -1)[..., 0] + (wv * xv * xv).sum(-1)[..., None]
-    flip = np.where(odd[..., None], np.take_along_axis(kflip, gi, axis=-1), -1)
-    return e.reshape(*e.shape[:1], 8, 4, -1).sum(axis=2), gi, flip
+    M = B[:, :, None, :] * dgv - 2 * A[:, :, None, :]                          # [N, 32, S, 256]
+    gi = M.argmin(axis=-1)
+    e = np.take_along_axis(M, gi[..., None], -1)[..., 0] * dgv[..., 0]
+    return e.reshape(e.shape[0], 8, 4, -1).sum(axis=2), gi
 
 
 def _quantize_iq2_xxs_blocks(xb, wb):
     """[N, 256] values and weights -> [N] block_iq2_xxs by search over super-block scale, group scale, grid and signs."""
     N = xb.shape[0]
     xv, wv = xb.reshape(N, 32, 8), wb.reshape(N, 32, 8)
+    A, B, kflip, odd = _iq2_xxs_prepare(xv, wv)
     amax = np.abs(xb).max(axis=-1)
-    ladder = (2 * np.arange(16, dtype=np.float32) + 1) / 8                     # group scale = d * (2s+1)/8
-    best = (np.full(N, np.inf, np.float32), np.zeros(N, np.float32),
-            np.zeros((N, 8), np.int64), np.zeros((N, 32), np.int64), np.zeros((N, 32), np.int64))
+    ladder = (2 * np.arange(16, dtype=np.float32) + 1) / 8                     # group scale = d * (2S+1)/8
+    best_err, best_d = np.full(N, np.inf, np.float32), np.zeros(N, np.float32)
+    best_s, best_gi = np.zeros((N, 8), np.int64), np.zeros((N, 32), np.int64)
     for f in IQ2_XXS_D_FACTORS:
         d = (amax * np.float32(f / (43 * 31 / 8))).astype(np.float16).astype(np.float32)
-        err, gi, flip = _iq2_xxs_search(xv, wv, np.broadcast_to(d[:, None, None] * ladder, (N, 8, 16)))
-        s = err.argmin(axis=-1)                                                # [N, 8]
+        dg = np.maximum(d[:, None, None] * ladder, np.float32(1e-30))          # all-zero blocks: any point
+        err, gi = _iq2_xxs_search(A, B, np.broadcast_to(dg, (N, 8, 16)))
+        s = err.argmin(axis=-1)                                                # best S per group [N, 8]
         tot = np.take_along_axis(err, s[..., None], -1)[..., 0].sum(-1)
-        s32 = np.repeat(s, 4, axis=1)[..., None]
-        take = tot < best[0]
-        for arr, new in zip(best, (tot, d, s, np.take_along_axis(gi, s32, -1)[..., 0],
-                                   np.take_along_axis(flip, s32, -1)[..., 0])):
-            arr[take] = new[take]
-    _, d, s, gi, flip = best
+        take = tot < best_err
+        best_err[take], best_d[take], best_s[take] = tot[take], d[take], s[take]
+        best_gi[take] = np.take_along_axis(gi, np.repeat(s, 4, axis=1)[..., None], -1)[..., 0][take]
+    flip = np.where(odd, np.take_along_axis(kflip, best_gi[..., None], -1)[..., 0], -1)
     neg = (xv < 0) ^ (np.arange(8) == flip[..., None])                         # sign pattern, even parity
     sign_idx = (neg[..., :7] * (1 << np.arange(7))).sum(-1).astype(np.uint32)  # bit 7 is implied by parity
     words = np.zeros((N, 8, 2), np.uint32)
-    words[..., 0] = gi.astype(np.uint8).reshape(N, 8, 4).copy().view("<u4")[..., 0]
+    words[..., 0] = best_gi.astype(np.uint8).reshape(N, 8, 4).copy().view("<u4")[..., 0]
     words[..., 1] = (sign_idx.reshape(N, 8, 4) << np.array([0, 7, 14, 21], np.uint32)).sum(-1, dtype=np.uint32)
-    words[..., 1] |= s.astype(np.uint32) << 28
+    words[..., 1] |= best_s.astype(np.uint32) << 28
     out = np.zeros(N, block_iq2_xxs)
-    out["d"] = d.astype(np.float16)
+    out["d"] = best_d.astype(np.float16)
     out["qs"] = words.reshape(N, 16).view("<u2")
     return out
 
 
-def quantize(x, ggml_type, imatrix=None, chunk: int = 256) -> np.ndarray:
+def quantize(x, ggml_type, imatrix=None, chunk: int = 64) -> np.ndarray:
     """Quantize float weights [rows, n] (or [..., n]) to raw uint8 [..., row_bytes] of a ggml type.
 
-    F32/F16/BF16 are conversions; Q8_0 equals ggml's reference (and the gguf package); Q2_K and Q4_K use a
-    covering min-max fit; IQ2_XXS searches super-block scale, group scales, grid points and signs,
+    F32/F16/BF16 are conversions; Q8_0 equals ggml's reference (and the gguf package); Q2_K and Q4_K fit
+    scales and mins per group (never worse than the covering min-max fit); IQ2_XXS searches super-block scale, group scales, grid points and signs,
     minimising the squared error weighted by `imatrix` (per-column importance [n], default all ones).
     ds4.c only reads these formats; the quantizers produce what its readers expect.
     Mirrors ds4.c: block_q2_K, block_q4_K, block_iq2_xxs (l. 132-152)

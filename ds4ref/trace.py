@@ -13,7 +13,7 @@ class Trace:
     """A dict of captured arrays keyed `L{layer}.P{pos}.{name}` / `P{pos}.{name}`, optionally filtered.
 
     `names` are short names or glob patterns (`"exp_*"`); `layers` / `positions` restrict where.
-    Mirrors ds4.c: layer_ffn_one's `trace` flag (l. 5659) and the instrumented dumps of ops_A.npz
+    Mirrors ds4.c: layer_ffn_one (l. 5659) with trace=true, and the instrumented dumps of ops_A.npz
     """
 
     def __init__(self, names: Iterable[str] | None = None, layers: Iterable[int] | None = None,

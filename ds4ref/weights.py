@@ -271,7 +271,8 @@ def check_tokenizer_metadata(g: GGUFFile) -> None:
 def load_model(path) -> tuple[GGUFFile, ModelConfig, Weights]:
     """Open a DS4 GGUF, read its config and bind its weights, checking everything ds4.c checks at load.
 
-    Mirrors ds4.c: ds4_engine_open (l. 17165): model_open, vocab_load, config_validate_model, weights_bind"""
+    Like ds4_engine_open: model_open, vocab_load, config_validate_model, weights_bind.
+    Mirrors ds4.c: ds4_engine_open (l. 17165)"""
     g = GGUFFile(path)
     try:
         check_tokenizer_metadata(g)

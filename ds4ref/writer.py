@@ -27,7 +27,9 @@ def _string(s: str) -> bytes:
 
 
 def encode_value(vtype: tuple, value) -> bytes:
-    """One metadata value in GGUF v3 layout; vtype is a type tuple such as (ARRAY, UINT32)."""
+    """One metadata value in GGUF v3 layout; vtype is a type tuple such as (ARRAY, UINT32).
+
+    Mirrors ds4.c: none (ds4.c only reads; this is the inverse of skip_value, l. 952)"""
     t = vtype[0]
     if t in _SCALAR_DTYPE:
         return np.array(value, _SCALAR_DTYPE[t]).tobytes()
@@ -58,7 +60,9 @@ def write_gguf(path, metadata: list[tuple[str, tuple, object]], tensors: list[Te
     """Write a GGUF v3 file: header, metadata, tensor directory, padding, then each tensor's bytes.
 
     Alignment comes from the `general.alignment` entry (default 32). Tensor bytes are streamed
-    chunk by chunk, so the file may be much larger than memory. The inverse of GGUFFile."""
+    chunk by chunk, so the file may be much larger than memory.
+
+    Mirrors ds4.c: none (the inverse of model_open, l. 1196)"""
     path = Path(path)
     align = next((v for k, t, v in metadata if k == "general.alignment" and t == (V.UINT32,)), 32)
     pad = lambda n: -n % align
@@ -122,25 +126,32 @@ def _quantize_q8_0(x: np.ndarray) -> np.ndarray:
     return quantize(x, GGMLQuantizationType.Q8_0)
 
 
-# byte positions of the f16 scales in one block: (d, dmin)
-_SCALE_FIELDS = {T.IQ2_XXS: (0, None), T.Q2_K: (80, 82)}
+# byte positions of the f16 scales in one block (d, dmin), and dmin / d
+_SCALE_FIELDS = {T.IQ2_XXS: (0, None, 0.0), T.Q2_K: (80, 82, 1.0), T.Q4_K: (0, 2, 7.5 / 8)}
 
 
 def _random_blocks(ggml_type: GGMLType, n_blocks: int, rng: np.random.Generator, d: float) -> np.ndarray:
     """n_blocks random but valid blocks of an expert quant type, with f16 scales around d.
 
     IQ2_XXS: any grid/sign/scale bytes are valid. Q2_K: 4-bit scales sc in 1..10 with mins
-    m = round(1.5 sc) and dmin = d, so each 16-value sub-block is centred near zero."""
-    _, block_bytes = {T.IQ2_XXS: (256, 66), T.Q2_K: (256, 84)}[ggml_type]
+    m = round(1.5 sc) and dmin = d, so each 16-value sub-block (q in 0..3) is centred near zero.
+    Q4_K: 6-bit scales sc in 1..7 with mins m = 8 sc and dmin = 7.5 d / 8 (q in 0..15, mean 7.5)."""
+    block_bytes = {T.IQ2_XXS: 66, T.Q2_K: 84, T.Q4_K: 144}[ggml_type]
     b = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
     if ggml_type == T.Q2_K:
         sc = rng.integers(1, 11, (n_blocks, 16))
         b[:, :16] = (sc | (np.rint(1.5 * sc).astype(np.int64) << 4)).astype(np.uint8)
-    scale = (d * np.exp(0.25 * rng.standard_normal(n_blocks))).astype(np.float16)
-    d_at, dmin_at = _SCALE_FIELDS[ggml_type]
-    b[:, d_at:d_at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+    if ggml_type == T.Q4_K:                          # 8 (scale, min) pairs of 6 bits packed in 12 bytes
+        sc = rng.integers(1, 8, (n_blocks, 8))
+        m = 8 * sc
+        b[:, 4:8] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+        b[:, 8:12] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+        b[:, 12:16] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    scale = d * np.exp(0.25 * rng.standard_normal(n_blocks))
+    d_at, dmin_at, dmin_ratio = _SCALE_FIELDS[ggml_type]
+    b[:, d_at:d_at + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     if dmin_at is not None:
-        b[:, dmin_at:dmin_at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        b[:, dmin_at:dmin_at + 2] = (dmin_ratio * scale).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     return b
 
 
@@ -226,7 +237,9 @@ drawing from the most probable candidates with a temperature, a nucleus, and a m
 
 
 def byte_symbols() -> list[str]:
-    """GPT-2's byte-level alphabet: byte b -> one printable character (printable bytes stand for themselves)."""
+    """GPT-2's byte-level alphabet: byte b -> one printable character (printable bytes stand for themselves).
+
+    Mirrors ds4.c: the byte symbols its BPE tokenizer expects in the vocab (vocab_load, l. 14789)"""
     keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
     spare = iter(range(256, 512))
     return [chr(b) if b in keep else chr(next(spare)) for b in range(256)]
@@ -235,7 +248,9 @@ def byte_symbols() -> list[str]:
 @lru_cache(maxsize=8)
 def train_bpe(text: str, n_tokens: int) -> tuple[tuple[str, str], ...]:
     """Greedy byte-level BPE: merge the most frequent adjacent pair (ties: smallest pair) until
-    n_tokens new tokens exist or no pair is left. Words keep their leading space, as GPT-2's do."""
+    n_tokens new tokens exist or no pair is left. Words keep their leading space, as GPT-2's do.
+
+    Mirrors ds4.c: none (ds4.c applies merges by rank; this learns them)"""
     sym = byte_symbols()
     seqs = Counter(tuple(sym[b] for b in w.encode()) for w in re.findall(r" ?[A-Za-z]+| ?\d+| ?[^\sA-Za-z\d]+|\s+", text))
     merges, made = [], set(sym)
@@ -266,7 +281,9 @@ def train_bpe(text: str, n_tokens: int) -> tuple[tuple[str, str], ...]:
 
 def tokenizer_metadata(n_vocab: int) -> list[tuple[str, tuple, object]]:
     """A byte-level BPE vocabulary of n_vocab tokens: BOS, EOS, the 256 byte symbols, ds4's other
-    special tokens, learned merges, then placeholders. Mirrors what ds4.c's vocab_load (l. 14789) reads."""
+    special tokens, learned merges, then placeholders, as tokenizer.ggml.* entries.
+
+    Mirrors ds4.c: vocab_load (l. 14789), the keys it reads"""
     bos, eos, *others = SPECIAL_TOKENS
     fixed = [bos, eos, *byte_symbols(), *others]
     if n_vocab < len(fixed):
@@ -290,7 +307,9 @@ def tokenizer_metadata(n_vocab: int) -> list[tuple[str, tuple, object]]:
 
 def model_metadata(cfg: ModelConfig, seed: int = 0, name: str | None = None,
                    alignment: int = 32) -> list[tuple[str, tuple, object]]:
-    """Every metadata entry of a DS4 GGUF of shape cfg: general, deepseek4.* and tokenizer keys."""
+    """Every metadata entry of a DS4 GGUF of shape cfg: general, deepseek4.* and tokenizer keys.
+
+    Mirrors ds4.c: config_validate_model (l. 2564), the keys it reads"""
     return [("general.architecture", (V.STRING,), "deepseek4"),
             ("general.name", (V.STRING,), name or f"ds4ref-synthetic-seed{seed}"),
             ("general.alignment", (V.UINT32,), alignment),
@@ -303,7 +322,9 @@ def model_tensors(cfg: ModelConfig, seed: int = 0, expert_types: tuple = (T.IQ2_
                   exp_probs_b: bool = True) -> list[TensorData]:
     """Every tensor of a DS4 model of shape cfg, with seeded random contents (generated when written).
 
-    expert_types = (gate/up type, down type); exp_probs_b adds the optional router bias on top-k layers."""
+    expert_types = (gate/up type, down type); exp_probs_b adds the optional router bias on top-k layers.
+
+    Mirrors ds4.c: weights_bind (l. 2650), the tensors it binds"""
     gate_up, down = (T[t] if isinstance(t, str) else T(t) for t in expert_types)
     out = []
     for spec in tensor_specs(cfg):
@@ -319,8 +340,10 @@ def write_model(path, cfg: ModelConfig, seed: int = 0, *, name: str | None = Non
                 alignment: int = 32) -> Path:
     """Write a DS4-shaped GGUF of shape cfg with seeded random weights in the q2 model's type mix.
 
-    Tensors are generated and written one at a time (experts one expert at a time), so the
-    4 GB `ModelConfig.wide()` model needs well under 1 GB of memory."""
+    Tensors are generated and written one at a time (experts one expert at a time): writing the
+    3.9 GB `ModelConfig.wide()` model peaks at about 100 MB of memory.
+
+    Mirrors ds4.c: none (ds4.c loads such files with ds4_engine_open, l. 17165)"""
     return write_gguf(path, model_metadata(cfg, seed, name, alignment),
                       model_tensors(cfg, seed, expert_types, exp_probs_b))
 
@@ -332,7 +355,9 @@ WRITER_VERSION = 1
 def default_model_path() -> Path:
     """The bundled model of `python -m ds4ref`: the tiny shape, seed 7, generated on first use.
 
-    Lives in $DS4REF_CACHE or ~/.cache/ds4ref; the name carries the writer version."""
+    Lives in $DS4REF_CACHE or ~/.cache/ds4ref; the name carries the writer version.
+
+    Mirrors ds4.c: none (ds4.c needs the real 80 GB GGUF)"""
     cache = Path(os.environ.get("DS4REF_CACHE") or Path.home() / ".cache" / "ds4ref")
     path = cache / f"ds4ref-tiny-seed{DEFAULT_SEED}-v{WRITER_VERSION}.gguf"
     if not path.exists():

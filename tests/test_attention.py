@@ -130,7 +130,8 @@ def test_rope_theta_equals_exact_formula_at_small_positions(model, ratio):
         ramp = np.clip(1 - (np.arange(32) - 15) / 10.0, 0, 1)
         ext = ext / 16 * (1 - ramp) + ext * ramp
     got = rope_theta(pos, cfg, ratio).astype(np.float64)
-    assert np.abs(got - ext).max() <= 1e-6 * max(1.0, pos.max())
+    # the float32 recurrence rounds ~32 times: measured 1.3e-6 relative per angle; a wrong base or ramp is far off
+    assert np.all(np.abs(got - ext) <= 4e-6 * ext)
 
 
 @settings(max_examples=40, deadline=None)

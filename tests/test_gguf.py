@@ -10,8 +10,11 @@ import hashlib
 import re
 import struct
 
+import gguf
 import numpy as np
 import pytest
+from gguf import GGUFReader
+from gguf.quants import dequantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,9 +25,7 @@ from ds4ref.weights import bind_weights, check_tokenizer_metadata, load_model, t
 from ds4ref.writer import (TensorData, default_model_path, model_metadata, model_tensors, train_bpe,
                            CORPUS, write_gguf, write_model)
 
-gguf = pytest.importorskip("gguf")  # in requirements.txt: a missing package fails CI at install time
-from gguf import GGUFReader  # noqa: E402
-from gguf.quants import dequantize  # noqa: E402
+DEFAULT_MODEL_SHA256 = "b83839d07adb619596e1f57cdbb9925eddad4eb2d8bf2e92ad67c4535dffa36d"
 
 # A micro DS4 shape: 3 layers (dense, dense, ratio 4 with indexer), every tensor kind, ~0.4 MB.
 MICRO = dataclasses.replace(
@@ -66,8 +67,11 @@ def test_every_tensor_type_shape_and_byte_range_matches_gguf_py(oracle):
 
 def test_tensor_data_is_a_zero_copy_view_of_the_mapping(oracle):
     g, _ = oracle
-    d = g.tensors["output.weight"].data
-    assert not d.flags.owndata and not d.flags.writeable
+    base = np.frombuffer(g._mm, np.uint8, 1, 0).ctypes.data        # address of the mapping's first byte
+    for name in ("token_embd.weight", "blk.3.ffn_gate_exps.weight", "output.weight"):
+        t = g.tensors[name]
+        assert not t.data.flags.owndata and not t.data.flags.writeable, name
+        assert t.data.ctypes.data - base == t.offset, name          # the view's memory is the file's bytes
 
 
 def test_block_table_matches_gguf_py():
@@ -228,6 +232,18 @@ def test_q2_k_blocks_are_valid_and_zero_centred(micro_path):
         assert abs(w.mean()) < 0.05 * w.std()
 
 
+def test_q4_k_experts_are_valid_zero_centred_and_calibrated(tmp_path):
+    p = write_model(tmp_path / "q4k.gguf", MICRO, seed=5, expert_types=("Q4_K", "Q4_K"))
+    g, cfg, w = load_model(p)
+    with g:
+        t = w.layers[2].ffn_down_exps
+        assert t.ggml_type == GGMLType.Q4_K and w.layers[2].ffn_gate_exps.ggml_type == GGMLType.Q4_K
+        v = dequantize(t.expert(1).data, gguf.GGMLQuantizationType.Q4_K).astype(np.float64)   # [out, in]
+        assert abs(v.mean()) < 0.05 * v.std()
+        y = v @ np.random.default_rng(1).standard_normal(v.shape[1])
+        assert 0.75 < np.sqrt(np.mean(y ** 2)) < 1.3
+
+
 def test_tokenizer_has_ds4_special_tokens_and_real_merges(micro_path, oracle_gguf):
     with GGUFFile(micro_path) as g:
         check_tokenizer_metadata(g)
@@ -255,6 +271,9 @@ def test_default_model_is_generated_once_and_validates(tmp_path, monkeypatch):
         assert cfg == ModelConfig.tiny() and len(w.tensors()) == 178
     s = ds4ref.model_summary(p)
     assert "6 layers, n_embd 256, vocab 1024" in s and "178 tensors" in s and "IQ2_XXS" in s
+    # Later chapters store outputs computed on this model: its bytes must not change silently.
+    # If the writer changes on purpose, bump writer.WRITER_VERSION and this hash together.
+    assert hashlib.sha256(p.read_bytes()).hexdigest() == DEFAULT_MODEL_SHA256, "bump WRITER_VERSION"
 
 
 def test_model_summary_of_oracle(oracle_gguf):
@@ -299,6 +318,23 @@ def test_small_file_reads_back(tmp_path):
         assert g.tensors["t.i32"].data.view("<i4").tolist() == list(range(6))
     r = GGUFReader(p)
     assert r.fields["a.str"].contents() == "héllo"
+
+
+def test_tensor_numpy_decodes_float_and_int_types(tmp_path):
+    from ds4ref.weights import Tensor
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)       # numpy order [rows, in]
+    bf16 = (x.view(np.uint32) >> 16).astype("<u2")                                 # truncated bfloat16
+    ts = [TensorData("f32", GGMLType.F32, (64, 3), lambda: [x]),
+          TensorData("f16", GGMLType.F16, (64, 3), lambda: [x.astype("<f2")]),
+          TensorData("bf16", GGMLType.BF16, (64, 3), lambda: [bf16]),
+          TensorData("i32", GGMLType.I32, (64, 3), lambda: [np.arange(192, dtype="<i4")])]
+    with GGUFFile(write_gguf(tmp_path / "types.gguf", [], ts)) as g:
+        t = {n: Tensor.from_info(i) for n, i in g.tensors.items()}
+        assert t["f32"].data.shape == (3, 256) and np.array_equal(t["f32"].numpy(), x)
+        assert np.array_equal(t["f16"].numpy(), x.astype(np.float16).astype(np.float32))
+        assert np.array_equal(t["bf16"].numpy(), (bf16.astype(np.uint32) << 16).view(np.float32))
+        assert np.abs(t["bf16"].numpy() - x).max() <= np.abs(x).max() * 2 ** -7
+        assert t["i32"].numpy().shape == (3, 64) and t["i32"].numpy()[2, 5] == 133
 
 
 def _regions(g: GGUFFile, raw: bytes):

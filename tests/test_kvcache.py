@@ -132,7 +132,7 @@ def test_compressed_caches_match_ds4c_at_every_dumped_position(model, ops, posit
 
 def test_compressor_projections_match_ds4c(model, ops, positions):
     cfg, w = model
-    worst = 0.0
+    worst, n = 0.0, 0
     for il in range(2, cfg.n_layer):
         lw, r = w.layers[il], cfg.compress_ratio(il)
         for p in positions:
@@ -140,9 +140,11 @@ def test_compressor_projections_match_ds4c(model, ops, positions):
                 k = f"L{il}.P{p}."
                 if k + nm + "_kv" not in ops:
                     continue
+                n += 1
                 kv, sc = compressor_project(ops[k + "attn_norm"], getattr(lw, pre + "_kv"),
                                             getattr(lw, pre + "_gate"), getattr(lw, pre + "_ape"), p, r)
                 worst = max(worst, rel(kv, ops[k + nm + "_kv"]), rel(sc, ops[k + nm + "_score"]))
+    assert n == 17 * (2 + 2 * 2)    # every dumped position: 2 ratio-128 layers x 1 lane + 2 ratio-4 layers x 2 lanes
     assert worst <= 1e-5, worst
 
 
@@ -170,6 +172,7 @@ def test_compressor_pooling_and_norm_match_ds4c(model, ops, positions):
 def test_compressor_decode_one_reproduces_ds4c_emissions(model, ops, positions):
     """Feed ds4's state (rows other than this token's) and attn_norm; the new rows match ds4.c's."""
     cfg, w = model
+    n = 0
     for il in range(2, cfg.n_layer):
         lw, r = w.layers[il], cfg.compress_ratio(il)
         for p in positions:
@@ -180,7 +183,7 @@ def test_compressor_decode_one_reproduces_ds4c_emissions(model, ops, positions):
                 if k + nm + "_state_kv" not in ops:
                     continue
                 skv, ssc = ops[k + nm + "_state_kv"].copy(), ops[k + nm + "_state_score"].copy()
-                rec = {}
+                rec, n = {}, n + 1
                 row = compressor_decode_one(cfg, il, ops[k + "attn_norm"], getattr(lw, pre + "_kv"),
                                             getattr(lw, pre + "_gate"), getattr(lw, pre + "_ape"),
                                             getattr(lw, pre + "_norm"), skv, ssc, p,
@@ -190,6 +193,7 @@ def test_compressor_decode_one_reproduces_ds4c_emissions(model, ops, positions):
                 assert rel(rec[nm + "_pooled"], ops[k + nm + "_pooled"]) <= 1e-5
                 if r == 4:   # the current window became the previous one
                     np.testing.assert_array_equal(skv[:4], skv[4:])
+    assert n == 36      # the same 36 emissions as the rounding test (no P0 emission exists)
 
 
 def test_compressor_windows_cover_the_tokens_ds4c_pools(model, ops):
@@ -260,11 +264,13 @@ def test_indexer_ops_match_ds4c(model, ops, positions):
 
 def test_indexer_selection_is_exact(model, ops, positions):
     cfg, _ = model
+    n = 0
     for il in (2, 4):
         for p in positions:
             k = f"L{il}.P{p}."
             if k + "idx_scores" not in ops:
                 continue
+            n += 1
             sel = indexer_topk(ops[k + "idx_scores"], cfg.indexer_top_k)
             np.testing.assert_array_equal(sel, ops[k + "idx_selected"])
             mask = np.zeros(len(ops[k + "idx_scores"]), np.int8)
@@ -276,6 +282,7 @@ def test_indexer_selection_is_exact(model, ops, positions):
             s = ops[k + "idx_scores"]
             margin = s[sel].min() - np.delete(s, sel).max()
             assert np.array_equal(ours, sel) or margin < 1e-5 * np.abs(s).max()
+    assert n == 16
 
 
 def test_indexer_keeps_exactly_top_k_and_breaks_ties_low(model):

@@ -71,7 +71,8 @@ def test_head_rms_norm_gives_unit_rms_per_head():
 
 
 def test_rms_norm_sum_of_squares_is_float64():
-    # 2^24 + 1 ones after one 4096: a float32 running sum would drop the ones; float64 keeps them
+    # x[0]^2 = 2^24, then 4095 ones: a left-to-right float32 sum drops every one (2^24 + 1 rounds back
+    # to 2^24) and gives scale 1/64; the float64 sum keeps them
     x = np.ones(1 << 12, np.float32)
     x[0] = 4096.0
     ss = 4096.0 ** 2 + (len(x) - 1)
@@ -202,13 +203,30 @@ def test_sinkhorn_first_pass_is_row_softmax_plus_eps_then_column_norm():
     assert np.allclose(comb, c, rtol=1e-6, atol=1e-7)
 
 
+def test_pre_and_post_gates_follow_the_formula_with_eps():
+    """pre = sigmoid(z) + 1e-6 and post = 2 sigmoid(z), z = mix * scale + base: checked against float64
+    sigmoids of the same float32 logits, tightly enough that a missing eps (1e-6) or factor 2 fails."""
+    for seed in range(20):
+        mix, scale, base = _random_split_inputs(seed)
+        pre, post, _ = hc_split_sinkhorn(mix, scale, base)
+        z_pre = (mix[:4] * scale[0] + base[:4]).astype(np.float64)
+        z_post = (mix[4:8] * scale[1] + base[4:8]).astype(np.float64)
+        assert np.all(np.abs(pre - (1 / (1 + np.exp(-z_pre)) + 1e-6)) <= 3e-7 * pre)
+        assert np.all(np.abs(post - 2 / (1 + np.exp(-z_post))) <= 3e-7 * post)
+
+
 def test_hc_post_keeps_the_sum_of_streams(ops_A, model, positions):
-    """Rows of comb sum to ~1, so sum_d X'_d = sum_s X_s + sum(post) * y (to the rows' 2e-3)."""
-    cfg, _ = model
+    """Rows of comb sum to ~1, so sum_d X'_d = sum_s X_s + sum(post) * y (to the rows' 2e-3), both for
+    our hc_post with our own hc_pre weights and for ds4.c's recorded state."""
+    cfg, W = model
     for l in range(cfg.n_layer):
+        fn, scale, base = _hc_weights(W.layers[l], "attn")
         for p in positions:
             k = f"L{l}.P{p}."
-            want = ops_A[k + "hc_in"].sum(0) + ops_A[k + "attn_post"].sum() * ops_A[k + "attn_out"]
+            X, y = ops_A[k + "hc_in"], ops_A[k + "attn_out"]
+            _, post, comb = hc_pre(X, fn, scale, base, cfg)
+            assert rel(hc_post(y, X, post, comb).sum(0), X.sum(0) + post.sum() * y) <= 1e-3
+            want = X.sum(0) + ops_A[k + "attn_post"].sum() * y
             assert rel(ops_A[k + "after_attn_hc"].sum(0), want) <= 1e-3
 
 

@@ -7,6 +7,8 @@ import importlib.util
 import platform
 import sys
 
+import numpy as np
+
 from ds4ref.backend import NUMPY, NumpyBackend
 
 BACKENDS = ("numpy", "numba", "mlx", "cupy")
@@ -86,6 +88,24 @@ def get_backend(name: str = "auto", verbose: bool = True) -> NumpyBackend:
             from ds4ref.backends.cupy_backend import CupyBackend
             _INSTANCES[key] = CupyBackend()
     return _INSTANCES[key]
+
+
+def f32_of(w) -> np.ndarray:
+    """A float32 array from an array or a `Tensor` (F32/F16 weights such as norms and sinks)."""
+    return np.ascontiguousarray(w.numpy() if hasattr(w, "numpy") else w, dtype=np.float32)
+
+
+def row_mask(n_rows: int, allowed=None, n_raw=None) -> np.ndarray:
+    """bool [n_rows]: the first n_raw rows always, then `allowed` over the rest (all rows when allowed is None);
+    the convention of ds4ref.attention.attention_rows."""
+    mask = np.ones(n_rows, bool)
+    if allowed is not None:
+        allowed = np.asarray(allowed).astype(bool).reshape(-1)
+        start = 0 if n_raw is None else int(n_raw)
+        if len(allowed) != n_rows - start:
+            raise ValueError(f"attention: allowed has {len(allowed)} entries, expected n_rows - n_raw = {n_rows - start}")
+        mask[start:] = allowed
+    return mask
 
 
 def available_backends() -> dict[str, str]:

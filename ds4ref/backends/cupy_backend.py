@@ -9,6 +9,8 @@ import numpy as np
 
 from ds4ref.backend import NumpyBackend
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
+from ds4ref.attention import attention_rows as attention_rows_reference
+from ds4ref.backends import f32_of, row_mask
 from ds4ref.quant import iq2xxs_grid, quantize_q8_0
 
 KERNEL_FILES = ("matvec.cu", "layer_ops.cu")
@@ -203,6 +205,22 @@ class CupyBackend(NumpyBackend):
                            cp.asarray(ids), np.int32(rows), np.int32(n // 256), yq, yd, bs, np.int32(0), y))
         return cp.asnumpy(y)
 
+    def routed_experts_mid(self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0) -> np.ndarray:
+        """mid [k, n_ff] of the selected experts: one pair launch, then clamp, SiLU and the route weight on the host.
+        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
+        from ds4ref.moe import swiglu
+        g, u = self.experts_pair_q8_K(w_gate3, w_up3, ids, a)
+        return (swiglu(g, u, clamp) * np.asarray(weights, np.float32)[:, None]).astype(np.float32)
+
+    def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
+        """Sum over slots (float32, slot order) of the six down projections from one launch; float32 [rows].
+        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
+        down = self.experts_down_q8_K(w_down3, ids, a)
+        acc = down[0].copy()
+        for s in range(1, len(down)):
+            acc = (acc + down[s]).astype(np.float32)
+        return acc
+
     # -- layer ops ------------------------------------------------------------------------------------------------
     def rms_norm_rows(self, x, w=None, eps: float = 1e-6) -> np.ndarray:
         """RMSNorm of every row of x [..., n] (times w [n] when given); double sum of squares as ds4.c.
@@ -213,7 +231,7 @@ class CupyBackend(NumpyBackend):
         n = x.shape[-1]
         rows = int(np.prod(x.shape[:-1], dtype=np.int64))
         out = cp.empty((rows, n), cp.float32)
-        wd = cp.asarray(_f32(w)) if w is not None else NULL
+        wd = cp.asarray(f32_of(w)) if w is not None else NULL
         self.k["rms_norm_rows"]((rows,), (256,), (cp.asarray(x.reshape(rows, n)), wd, out, np.int32(n), np.float32(eps)))
         return cp.asnumpy(out).reshape(x.shape)
 
@@ -237,22 +255,22 @@ class CupyBackend(NumpyBackend):
                              np.float32(prm["mscale"]), np.int32(bool(inverse))))
         return cp.asnumpy(xd).reshape(x.shape)
 
-    def sink_attention(self, q, kv, sinks, allowed=None) -> np.ndarray:
-        """Sink attention of q [n_head, D] over kv rows [R, D] (K = V), rows with allowed == 0 skipped; [n_head, D].
-
-        Mirrors ds4.c: layer_attention_rows_one (l. 4969) / layer_attention_mixed_one (l. 6700)"""
+    def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
+        """Sink attention with K = V of one token, q [n_head, D] over kv [R, D] -> [n_head, D], one block per head;
+        the arguments of ds4ref.attention.attention_rows. Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
         cp = self.cp
-        q = np.asarray(q, np.float32)
-        kv = np.asarray(kv, np.float32)
+        q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
+        if q.ndim != 2 or kv.ndim != 2:
+            return attention_rows_reference(q, kv, sinks, allowed, n_raw)
         n_head, D = q.shape
         R = kv.shape[0]
         if kv.shape[1] != D:
-            raise ValueError(f"sink attention: kv rows have {kv.shape[1]} values, q heads {D}")
+            raise ValueError(f"attention: kv rows have {kv.shape[1]} values, q heads {D}")
         out = cp.empty((n_head, D), cp.float32)
         scratch = cp.empty((n_head, max(R, 1)), cp.float32)
-        mask = cp.asarray(np.asarray(allowed, np.uint8)) if allowed is not None else NULL
+        mask = row_mask(R, allowed, n_raw).astype(np.uint8)
         self.k["sink_attention"]((n_head,), (256,),
-                                 (cp.asarray(q), cp.asarray(kv), cp.asarray(np.asarray(sinks, np.float32)), mask,
+                                 (cp.asarray(q), cp.asarray(kv), cp.asarray(f32_of(sinks)), cp.asarray(mask),
                                   np.int32(D), np.int32(R), np.float32(1.0 / np.sqrt(np.float32(D))), scratch, out),
                                  shared_mem=4 * D)
         return cp.asnumpy(out)
@@ -268,10 +286,6 @@ class CupyBackend(NumpyBackend):
                                    cp.asarray(np.asarray(state_score, np.float32)),
                                    np.int32(head_dim), np.int32(ratio), out))
         return cp.asnumpy(out)
-
-
-def _f32(w) -> np.ndarray:
-    return np.asarray(w.numpy() if hasattr(w, "numpy") else w, np.float32)
 
 
 def _expert_rows(w3, raw_all: np.ndarray) -> int:

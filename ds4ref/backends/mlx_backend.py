@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4ref.attention import attention_rows as attention_rows_reference
 from ds4ref.backend import NumpyBackend
+from ds4ref.backends import f32_of, row_mask
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid, ksigns_iq2xs, quantize_q8_0
 
@@ -93,33 +95,54 @@ class MlxBackend(NumpyBackend):
                 mx.array(np.asarray(a.d, np.float32).reshape(-1, nb)),
                 mx.array(np.asarray(a.bsums, np.int16).reshape(-1, nb, 16)).astype(mx.int32))
 
-    def iq2_xxs_values(self, raw: np.ndarray):
-        """Decode IQ2_XXS rows: d float32 [rows, nb], signed grid values int32 [rows, nb, 8, 32], scales 2s+1 [rows, nb, 8]."""
-        mx = self.mx
-        rows, nb = raw.shape[0], raw.shape[1] // 66
-        blocks = self.resident(raw).reshape(rows, nb, 66)
-        d = self._f16(blocks, 0)
-        groups = blocks[..., 2:].reshape(rows, nb, 8, 8)                          # 8 groups of 8 bytes
-        idx = groups[..., :4].astype(mx.int32)                                    # [rows, nb, 8, 4] grid indices
-        aux = mx.view(groups[..., 4:], mx.uint32)                                  # [rows, nb, 8, 1]
-        sign_idx = ((aux >> mx.array([0, 7, 14, 21], mx.uint32)) & 127).astype(mx.int32)   # [rows, nb, 8, 4]
-        vals = mx.take(self._grid, idx, axis=0) * mx.take(self._signs, sign_idx, axis=0)   # [rows, nb, 8, 4, 8]
-        scale = (2 * (aux[..., 0] >> 28) + 1).astype(mx.int32)                    # [rows, nb, 8]
-        return d, vals.reshape(rows, nb, 8, 32), scale
+    def iq2_xxs_dots(self, blocks, yq, yd):
+        """IQ2_XXS rows (uint8 mx [R, nb, 66]) times Q8_K activations (yq int32 [T, nb, 256], yd [T, nb]) -> mx [T, R].
 
-    def matvec_iq2_xxs_q8_K(self, w, a) -> np.ndarray:
-        """y = W x, IQ2_XXS weight times Q8_K activation: per block the int32 sum_g (2s+1) dot_g, then d_w d_y sum / 8.
-
+        Decode: grid indices and sign indices from the bytes, a table gather each, then per 32-group the int32 dot,
+        times (2s+1), summed per block; then (d_w d_y) * bsum summed over blocks, / 8.
         Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
         mx = self.mx
+        R, nb = blocks.shape[0], blocks.shape[1]
+        d = self._f16(blocks, 0)                                                  # [R, nb]
+        groups = blocks[..., 2:].reshape(R, nb, 8, 8)                             # 8 groups of 8 bytes
+        idx = groups[..., :4].astype(mx.int32)                                    # [R, nb, 8, 4] grid indices
+        aux = mx.view(groups[..., 4:], mx.uint32)                                 # [R, nb, 8, 1]
+        sign_idx = ((aux >> mx.array([0, 7, 14, 21], mx.uint32)) & 127).astype(mx.int32)   # [R, nb, 8, 4]
+        vals = (mx.take(self._grid, idx, axis=0) * mx.take(self._signs, sign_idx, axis=0)).reshape(R, nb, 8, 32)
+        scale = (2 * (aux[..., 0] >> 28) + 1).astype(mx.int32)                    # [R, nb, 8]
+        T = yq.shape[0]
+        dots = (vals[None] * yq.reshape(T, 1, nb, 8, 32)).sum(-1)                 # int32 [T, R, nb, 8]
+        bsum = (dots * scale[None]).sum(-1)                                       # int32 [T, R, nb]
+        return 0.125 * ((d[None] * yd[:, None]) * bsum.astype(mx.float32)).sum(-1)
+
+    def q2_K_dots(self, blocks, yq, yd, ybs):
+        """Q2_K rows (uint8 mx [R, nb, 84]) times Q8_K activations -> mx [T, R], or [R] pairing row group t of
+        blocks with activation t when `blocks` is [T, R, nb, 84].
+        Per block: d_y (d_w sum_g sc_g dot_g - dmin_w sum_g m_g bsums_g), dots in int32.
+        Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
+        mx = self.mx
+        nb = blocks.shape[-2]
+        sc = (blocks[..., :16] & 15).astype(mx.int32)                             # [..., nb, 16] scales
+        mn = (blocks[..., :16] >> 4).astype(mx.int32)                             # [..., nb, 16] mins
+        qs = mx.expand_dims(blocks[..., 16:80].reshape(*blocks.shape[:-1], 2, 32), -2)   # [..., nb, 2, 1, 32]
+        shifts = mx.array([0, 2, 4, 6], mx.uint8).reshape(4, 1)
+        q = ((qs >> shifts) & 3).astype(mx.int32).reshape(*blocks.shape[:-1], 16, 16)   # element e = 128h + 32j + l
+        d, dmin = self._f16(blocks, 80), self._f16(blocks, 82)
+        if blocks.ndim == 3:                                                      # every row against every token
+            q, sc, mn, d, dmin = q[None], sc[None], mn[None], d[None], dmin[None]
+            yq, yd, ybs = yq[:, None], yd[:, None], ybs[:, None]
+        yq = yq.reshape(*yq.shape[:-2], nb, 16, 16)
+        dots = (q * yq).sum(-1)                                                   # int32 [T, R, nb, 16]
+        isum = (dots * sc).sum(-1)                                                # int32 [T, R, nb]
+        summs = (mn * ybs).sum(-1)                                                # int32 [T, R, nb]
+        return (d * yd * isum.astype(mx.float32) - dmin * yd * summs.astype(mx.float32)).sum(-1)
+
+    def matvec_iq2_xxs_q8_K(self, w, a) -> np.ndarray:
+        """y = W x for an IQ2_XXS weight and a Q8_K activation; float32 [..., rows]. Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
         raw = weight_rows(w, 16)
         n, rows = row_elements(raw, 16), raw.shape[0]
         lead, yq, yd, _ = self._q8_K(a, n)
-        d, vals, scale = self.iq2_xxs_values(raw)
-        T, nb = yq.shape[0], n // 256
-        dots = (vals[None] * yq.reshape(T, 1, nb, 8, 32)).sum(-1)                 # int32 [T, rows, nb, 8]
-        bsum = (dots * scale[None]).sum(-1)                                       # int32 [T, rows, nb]
-        y = 0.125 * ((d[None] * yd[:, None]) * bsum.astype(mx.float32)).sum(-1)
+        y = self.iq2_xxs_dots(self.resident(raw).reshape(rows, n // 256, 66), yq, yd)
         return np.array(y).reshape(lead + (rows,))
 
     def matvec_iq2_xxs_pair_q8_K(self, w_gate, w_up, a):
@@ -130,25 +153,59 @@ class MlxBackend(NumpyBackend):
         return self.matvec_iq2_xxs_q8_K(g_raw, a), self.matvec_iq2_xxs_q8_K(u_raw, a)
 
     def matvec_q2_K_q8_K(self, w, a) -> np.ndarray:
-        """y = W x, Q2_K weight times Q8_K activation: sum_blocks d_y (d_w sum_g sc_g dot_g - dmin_w sum_g m_g bsums_g).
-
-        Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
-        mx = self.mx
+        """y = W x for a Q2_K weight and a Q8_K activation; float32 [..., rows]. Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
         raw = weight_rows(w, 10)
         n, rows = row_elements(raw, 10), raw.shape[0]
         lead, yq, yd, ybs = self._q8_K(a, n)
-        T, nb = yq.shape[0], n // 256
-        blocks = self.resident(raw).reshape(rows, nb, 84)
-        sc = (blocks[..., :16] & 15).astype(mx.int32)                             # [rows, nb, 16] scales
-        mn = (blocks[..., :16] >> 4).astype(mx.int32)                             # [rows, nb, 16] mins
-        qs = blocks[..., 16:80].reshape(rows, nb, 2, 1, 32)                       # 2 halves of 32 bytes
-        shifts = mx.array([0, 2, 4, 6], mx.uint8).reshape(1, 1, 1, 4, 1)
-        q = ((qs >> shifts) & 3).astype(mx.int32).reshape(rows, nb, 16, 16)       # element e = 128h + 32j + l
-        d, dmin = self._f16(blocks, 80), self._f16(blocks, 82)
-        dots = (q[None] * yq.reshape(T, 1, nb, 16, 16)).sum(-1)                   # int32 [T, rows, nb, 16]
-        isum = (dots * sc[None]).sum(-1)                                          # int32 [T, rows, nb]
-        summs = (mn[None] * ybs[:, None]).sum(-1)                                 # int32 [T, rows, nb]
-        dall = d[None] * yd[:, None]
-        dmn = dmin[None] * yd[:, None]
-        y = (dall * isum.astype(mx.float32) - dmn * summs.astype(mx.float32)).sum(-1)
+        y = self.q2_K_dots(self.resident(raw).reshape(rows, n // 256, 84), yq, yd, ybs)
         return np.array(y).reshape(lead + (rows,))
+
+    # -- the routed experts of one token as one MLX graph ------------------------------------------------------------
+    def _experts(self, w3, ids, ggml_type: int, block_bytes: int):
+        """The selected experts' raw blocks, stacked: uint8 mx [k, rows, nb, block_bytes] (each expert cached)."""
+        parts = [self.resident(weight_rows(w3.expert(int(e)), ggml_type)) for e in np.asarray(ids).reshape(-1)]
+        rows, row_bytes = parts[0].shape
+        return self.mx.stack(parts).reshape(len(parts), rows, row_bytes // block_bytes, block_bytes)
+
+    def routed_experts_mid(self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0) -> np.ndarray:
+        """mid [k, n_ff] = silu(min(g, c)) * clamp(u, +-c) * weights of the selected experts, one MLX graph.
+        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
+        mx = self.mx
+        g_blocks, u_blocks = self._experts(w_gate3, ids, 16, 66), self._experts(w_up3, ids, 16, 66)
+        k, rows, nb = g_blocks.shape[:3]
+        _, yq, yd, _ = self._q8_K(a, nb * 256)
+        g = self.iq2_xxs_dots(g_blocks.reshape(k * rows, nb, 66), yq, yd).reshape(k, rows)
+        u = self.iq2_xxs_dots(u_blocks.reshape(k * rows, nb, 66), yq, yd).reshape(k, rows)
+        if clamp > 1e-6:
+            g, u = mx.minimum(g, clamp), mx.clip(u, -clamp, clamp)
+        mid = g * mx.sigmoid(g) * u * mx.array(np.asarray(weights, np.float32))[:, None]
+        return np.array(mid)
+
+    def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
+        """Sum over slots, in slot order, of Q2_K expert ids[s] times Q8_K activation row s; float32 [rows].
+        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
+        blocks = self._experts(w_down3, ids, 10, 84)                              # [k, rows, nb, 84]
+        k, rows, nb = blocks.shape[:3]
+        _, yq, yd, ybs = self._q8_K(a, nb * 256)                                  # [k, nb, 256], [k, nb], [k, nb, 16]
+        down = np.array(self.q2_K_dots(blocks, yq[:, None], yd[:, None], ybs[:, None]))    # [k, rows]
+        acc = down[0].copy()
+        for s in range(1, k):                                                     # float32, slot order
+            acc = (acc + down[s]).astype(np.float32)
+        return acc
+
+    def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
+        """Sink attention with K = V of one token, q [n_head, D] over kv [R, D], in MLX ops; the arguments of
+        ds4ref.attention.attention_rows. Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
+        mx = self.mx
+        q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
+        if q.ndim != 2 or kv.ndim != 2:
+            return attention_rows_reference(q, kv, sinks, allowed, n_raw)
+        mask = mx.array(row_mask(len(kv), allowed, n_raw))
+        kvm = mx.array(kv)
+        s = (mx.array(q) @ kvm.T) * (1.0 / float(np.sqrt(np.float32(q.shape[1]))))      # [n_head, R]
+        s = mx.where(mask[None], s, -1e30)
+        sk = mx.array(f32_of(sinks))
+        m = mx.maximum(s.max(axis=-1), sk)[:, None]
+        w = mx.where(mask[None], mx.exp(s - m), 0.0)
+        denom = mx.exp(sk[:, None] - m) + w.sum(axis=-1, keepdims=True)
+        return np.array((w @ kvm) * (1.0 / denom))

@@ -6,18 +6,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ds4ref.attention import attention_rows as attention_rows_reference
+from ds4ref.backends import f32_of, row_mask
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
-from ds4ref.quant import Q8KAct, iq2xxs_grid, iq2xxs_signs, quantize_q8_K
-
 from ds4ref.numba_kernels import NumbaBackend as _MatvecBackend     # chapter 03: the matvec kernels
+from ds4ref.numba_kernels import run_kernel                         # compiles with LLVM's SLP vectorizer on
+from ds4ref.quant import iq2xxs_grid, iq2xxs_signs, quantize_q8_K
 
-# Tables as data for the kernels: f16 bits -> float32 (all 65536), and ds4.c's signed IQ2_XXS grid
-# iq2xxs_signed_grid[index, sign_index, k] = grid value times sign (ds4.c l. 303-307, built the same way).
-F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-IQ2XXS_SIGNED_GRID = (iq2xxs_grid[:, None, :].astype(np.int8) * iq2xxs_signs[None, :, :]).astype(np.int8)
+# Tables as data for the kernels: f16 bits -> float32, and ds4.c's signed IQ2_XXS grid (l. 303-307):
+# IQ2XXS_SIGNED_GRID[(index * 128 + sign_index) * 8 + k] = grid value k of point `index` times sign k.
+F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+IQ2XXS_SIGNED_GRID = (iq2xxs_grid[:, None, :].astype(np.int8) * iq2xxs_signs[None, :, :]).reshape(-1)
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def _sigmoid_stable(x):
     if x >= np.float32(0.0):
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
@@ -25,80 +27,90 @@ def _sigmoid_stable(x):
     return e / (np.float32(1.0) + e)
 
 
-@njit(cache=True, inline="always")
-def _iq2_xxs_dot(w, row, yq, yd, sgrid, f16):
-    """One IQ2_XXS row (bytes w[row]) dotted with a Q8_K activation, in ds4.c's order (float sum over blocks)."""
-    nb = w.shape[1] // 66
+@njit(inline="always")
+def _f16(lut, raw, r, o):
+    return lut[np.int32(raw[r, o]) | (np.int32(raw[r, o + 1]) << 8)]
+
+
+@njit(inline="always")
+def _iq2_xxs_row(w, r, yq, yd, t, sgrid, lut):
+    """One IQ2_XXS row (bytes w[r]) against Q8_K activation row t: per 32-group four signed-grid rows of 8,
+    an int32 dot, times 2s+1; per block (d_w d_y) bsum; 1/8 of the float sum over blocks.
+    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889), scalar branch"""
     acc = np.float32(0.0)
-    for b in range(nb):
-        o = 66 * b
-        d = f16[np.int64(w[row, o]) | (np.int64(w[row, o + 1]) << 8)] * yd[b]
-        bsum = 0
-        for ib in range(8):
-            g = o + 2 + 8 * ib
-            aux = (np.int64(w[row, g + 4]) | (np.int64(w[row, g + 5]) << 8) | (np.int64(w[row, g + 6]) << 16)
-                   | (np.int64(w[row, g + 7]) << 24))
-            sumi = 0
-            for l in range(4):
-                gi = w[row, g + l]
-                si = (aux >> (7 * l)) & 127
-                q0 = 256 * b + 32 * ib + 8 * l
-                for k in range(8):
-                    sumi += np.int64(sgrid[gi, si, k]) * np.int64(yq[q0 + k])
-            bsum += sumi * (2 * (aux >> 28) + 1)
-        acc += d * np.float32(bsum)
+    for b in range(w.shape[1] // 66):
+        o = b * 66 + 2
+        bsum = np.int32(0)
+        for g in range(8):
+            go = o + 8 * g
+            word = (np.uint32(w[r, go + 4]) | (np.uint32(w[r, go + 5]) << 8)
+                    | (np.uint32(w[r, go + 6]) << 16) | (np.uint32(w[r, go + 7]) << 24))
+            a0 = (np.int32(w[r, go]) * 128 + np.int32(word & 127)) * 8
+            a1 = (np.int32(w[r, go + 1]) * 128 + np.int32((word >> 7) & 127)) * 8
+            a2 = (np.int32(w[r, go + 2]) * 128 + np.int32((word >> 14) & 127)) * 8
+            a3 = (np.int32(w[r, go + 3]) * 128 + np.int32((word >> 21) & 127)) * 8
+            e = b * 256 + 32 * g
+            sumi = np.int32(0)
+            for k in range(8):
+                sumi = np.int32(sumi + np.int32(sgrid[a0 + k]) * np.int32(yq[t, e + k])
+                                + np.int32(sgrid[a1 + k]) * np.int32(yq[t, e + 8 + k])
+                                + np.int32(sgrid[a2 + k]) * np.int32(yq[t, e + 16 + k])
+                                + np.int32(sgrid[a3 + k]) * np.int32(yq[t, e + 24 + k]))
+            bsum = np.int32(bsum + sumi * np.int32(2 * (word >> 28) + 1))
+        acc += (_f16(lut, w, r, o - 2) * yd[t, b]) * np.float32(bsum)
     return np.float32(0.125) * acc
 
 
-@njit(cache=True, inline="always")
-def _q2_K_dot(w, row, yq, yd, ybs, f16):
-    """One Q2_K row dotted with a Q8_K activation (isum and summs in int, then the float block sum), as ds4.c."""
-    nb = w.shape[1] // 84
+@njit(inline="always")
+def _q2_K_row(w, r, yq, yd, ybs, t, lut):
+    """One Q2_K row (bytes w[r]) against Q8_K activation row t: int32 isum and summs per block, then
+    acc += (d_y d) isum - (d_y dmin) summs, in block order. Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
     acc = np.float32(0.0)
-    for b in range(nb):
-        o = 84 * b
-        summs = 0
-        isum = 0
+    for b in range(w.shape[1] // 84):
+        o = b * 84
+        summs = np.int32(0)
         for g in range(16):
-            sc = np.int64(w[row, o + g])
-            summs += np.int64(ybs[16 * b + g]) * (sc >> 4)
-            e0 = 16 * g
-            half, shift, l0 = e0 // 128, 2 * ((e0 % 128) // 32), e0 % 32
-            s = 0
-            for i in range(16):
-                s += ((np.int64(w[row, o + 16 + 32 * half + l0 + i]) >> shift) & 3) * np.int64(yq[256 * b + e0 + i])
-            isum += (sc & 15) * s
-        dall = yd[b] * f16[np.int64(w[row, o + 80]) | (np.int64(w[row, o + 81]) << 8)]
-        dmin = yd[b] * f16[np.int64(w[row, o + 82]) | (np.int64(w[row, o + 83]) << 8)]
-        acc += dall * np.float32(isum) - dmin * np.float32(summs)
+            summs = np.int32(summs + np.int32(w[r, o + g] >> 4) * np.int32(ybs[t, b * 16 + g]))
+        isum = np.int32(0)
+        for h in range(2):                               # byte l of half h holds values l, l+32, l+64, l+96
+            qh, sc, e = o + 16 + 32 * h, o + 8 * h, b * 256 + 128 * h
+            for l in range(32):
+                q = np.int32(w[r, qh + l])
+                k = l >> 4
+                isum = np.int32(isum
+                                + np.int32(w[r, sc + k] & 15) * (q & 3) * np.int32(yq[t, e + l])
+                                + np.int32(w[r, sc + 2 + k] & 15) * ((q >> 2) & 3) * np.int32(yq[t, e + 32 + l])
+                                + np.int32(w[r, sc + 4 + k] & 15) * ((q >> 4) & 3) * np.int32(yq[t, e + 64 + l])
+                                + np.int32(w[r, sc + 6 + k] & 15) * ((q >> 6) & 3) * np.int32(yq[t, e + 96 + l]))
+        acc += (yd[t, b] * _f16(lut, w, r, o + 80)) * np.float32(isum) - (yd[t, b] * _f16(lut, w, r, o + 82)) * np.float32(summs)
     return acc
 
 
 @njit(parallel=True, cache=True)
-def experts_mid_kernel(wg, wu, ids, rows, yq, yd, weights, clamp, sgrid, f16, mid):
+def experts_mid_kernel(wg, wu, ids, rows, yq, yd, weights, clamp, grid, lut, mid):
     """mid[s, r] = silu(min(g, c)) * clamp(u, -c, c) * weights[s] for every selected expert s and row r, in parallel
-    over all (s, r): g, u = rows r of experts ids[s] of the gate/up tensors (uint8 [n_expert*rows, row_bytes])."""
+    over all (s, r); g, u = row r of expert ids[s] of the gate/up tensors (uint8 [n_expert*rows, row_bytes])
+    against the one Q8_K activation yq [1, n]. Mirrors ds4.c: matvec_iq2_xxs_mid_worker (l. 3893)"""
     k = ids.shape[0]
     for job in prange(k * rows):
         s = job // rows
-        r = job - s * rows
-        row = np.int64(ids[s]) * rows + r
-        g = _iq2_xxs_dot(wg, row, yq, yd, sgrid, f16)
-        u = _iq2_xxs_dot(wu, row, yq, yd, sgrid, f16)
+        row = np.int64(ids[s]) * rows + (job - s * rows)
+        g = _iq2_xxs_row(wg, row, yq, yd, 0, grid, lut)
+        u = _iq2_xxs_row(wu, row, yq, yd, 0, grid, lut)
         if clamp > np.float32(1e-6):
             g = min(g, clamp)
             u = min(max(u, -clamp), clamp)
-        mid[s, r] = g * _sigmoid_stable(g) * u * weights[s]
+        mid[s, job - s * rows] = g * _sigmoid_stable(g) * u * weights[s]
 
 
 @njit(parallel=True, cache=True)
-def experts_down_kernel(wd, ids, rows, yq, yd, ybs, f16, out):
-    """out[r] = sum over slots s (in slot order) of row r of Q2_K expert ids[s] dotted with Q8_K activation s."""
-    k = ids.shape[0]
+def experts_down_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
+    """out[r] = sum over slots s, in slot order, of row r of Q2_K expert ids[s] against Q8_K activation row s.
+    Mirrors ds4.c: matvec_q2_k_accum_worker (l. 4017)"""
     for r in prange(rows):
         acc = np.float32(0.0)
-        for s in range(k):
-            acc += _q2_K_dot(wd, np.int64(ids[s]) * rows + r, yq[s], yd[s], ybs[s], f16)
+        for s in range(ids.shape[0]):
+            acc += _q2_K_row(wd, np.int64(ids[s]) * rows + r, yq, yd, ybs, s, lut)
         out[r] = acc
 
 
@@ -133,7 +145,7 @@ def sink_attention_kernel(q, kv, sinks, allowed, scale, out):
             out[h, i] *= inv
 
 
-def _expert_rows(w3, raw_all) -> int:
+def _expert_rows(w3) -> int:
     shape = getattr(w3, "shape", None)
     if shape is None or len(shape) != 3:
         raise MatvecError(f"{getattr(w3, 'name', 'weight')!r}: expected a 3-D expert tensor")
@@ -149,43 +161,38 @@ class NumbaBackend(_MatvecBackend):
         """mid [k, n_ff] of the selected experts: IQ2_XXS gate/up on the shared Q8_K activation `a`, clamp, SiLU,
         times the route weight. Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
         wg, wu = weight_rows(w_gate3, 16), weight_rows(w_up3, 16)
-        rows = _expert_rows(w_gate3, wg)
+        rows = _expert_rows(w_gate3)
         n = row_elements(wg, 16)
         ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
-        yq = np.ascontiguousarray(a.qs, np.int8).reshape(n)
-        yd = np.ascontiguousarray(a.d, np.float32).reshape(n // 256)
+        yq = np.ascontiguousarray(a.qs, np.int8).reshape(1, n)
+        yd = np.ascontiguousarray(a.d, np.float32).reshape(1, n // 256)
         mid = np.empty((len(ids), rows), np.float32)
-        experts_mid_kernel(wg, wu, ids, rows, yq, yd, np.asarray(weights, np.float32), np.float32(clamp),
-                           IQ2XXS_SIGNED_GRID, F16_TO_F32, mid)
+        run_kernel(experts_mid_kernel, wg, wu, ids, rows, yq, yd, np.ascontiguousarray(weights, np.float32),
+                   np.float32(clamp), IQ2XXS_SIGNED_GRID, F16_TO_F32, mid)
         return mid
 
     def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
         """Sum over slots of Q2_K expert ids[s] times Q8_K activation row s (a.qs [k, n]); float32 [rows].
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
         wd = weight_rows(w_down3, 10)
-        rows = _expert_rows(w_down3, wd)
+        rows = _expert_rows(w_down3)
         n = row_elements(wd, 10)
         ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
         k = len(ids)
         out = np.empty(rows, np.float32)
-        experts_down_kernel(wd, ids, rows, np.ascontiguousarray(a.qs, np.int8).reshape(k, n),
-                            np.ascontiguousarray(a.d, np.float32).reshape(k, n // 256),
-                            np.ascontiguousarray(a.bsums, np.int16).reshape(k, n // 16), F16_TO_F32, out)
+        run_kernel(experts_down_kernel, wd, ids, rows, np.ascontiguousarray(a.qs, np.int8).reshape(k, n),
+                   np.ascontiguousarray(a.d, np.float32).reshape(k, n // 256),
+                   np.ascontiguousarray(a.bsums, np.int16).reshape(k, n // 16), F16_TO_F32, out)
         return out
 
-    def routed_experts(self, w_gate3, w_up3, w_down3, ids, weights, a, clamp: float = 10.0):
-        """The routed MoE of one token: (mid [k, n_ff], moe [n_embd]) from the Q8_K activation of ffn_norm.
-        Mirrors ds4.c: layer_routed_moe_one (l. 5361), steps 4-5"""
-        mid = self.routed_experts_mid(w_gate3, w_up3, ids, weights, a, clamp)
-        return mid, self.routed_experts_down(w_down3, ids, quantize_q8_K(mid))
-
-    def sink_attention(self, q, kv, sinks, allowed=None) -> np.ndarray:
-        """Sink attention of q [n_head, D] over cached rows kv [R, D] (K = V); [n_head, D].
-        Mirrors ds4.c: layer_attention_rows_one (l. 4969) / layer_attention_mixed_one (l. 6700)"""
-        q = np.ascontiguousarray(q, np.float32)
-        kv = np.ascontiguousarray(kv, np.float32)
-        mask = np.ones(len(kv), np.bool_) if allowed is None else np.asarray(allowed, np.bool_)
+    def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
+        """Sink attention with K = V of one token: q [n_head, D] over cached rows kv [R, D] -> heads [n_head, D];
+        the arguments of ds4ref.attention.attention_rows (allowed masks the rows after the first n_raw).
+        Batched inputs go to the reference. Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
+        q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
+        if q.ndim != 2 or kv.ndim != 2:
+            return attention_rows_reference(q, kv, sinks, allowed, n_raw)
         out = np.empty_like(q)
-        sink_attention_kernel(q, kv, np.asarray(sinks, np.float32), mask,
-                              np.float32(1.0) / np.sqrt(np.float32(q.shape[1])), out)
+        run_kernel(sink_attention_kernel, np.ascontiguousarray(q), np.ascontiguousarray(kv), f32_of(sinks),
+                   row_mask(len(kv), allowed, n_raw), np.float32(1.0) / np.sqrt(np.float32(q.shape[1])), out)
         return out
