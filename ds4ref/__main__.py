@@ -47,8 +47,17 @@ def main(argv=None) -> int:
     if args.tokens < 0:
         print("ds4ref: -n must be >= 0", file=sys.stderr)
         return 2
-    eng = Engine.open(args.model, backend=args.backend)
+    from ds4ref.engine import BackendError
+    from ds4ref.gguf import GGUFError
+    try:
+        eng = Engine.open(args.model, backend=args.backend)
+    except (GGUFError, BackendError, OSError) as exc:
+        print(f"ds4ref: {exc}", file=sys.stderr)
+        return 2
     tok = eng.tokenizer
+    if tok is None:
+        print(f"ds4ref: {args.model}: the GGUF has no tokenizer", file=sys.stderr)
+        return 2
     if args.raw:
         prompt = [tok.bos_id] + tok.encode(args.prompt)
     else:

@@ -108,10 +108,20 @@ def decode_profile(session, tok: int, steps: int, top: int = 8) -> list:
         tok = int(np.argmax(session.eval(tok)))
     prof.disable()
     st = pstats.Stats(prof).stats                  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
-    own = sorted(((v[2], f"{Path(k[0]).stem}.{k[2]}") for k, v in st.items()), reverse=True)
+    own = sorted(((v[2], _function_label(*k)) for k, v in st.items()), reverse=True)
     total = sum(t for t, _ in own) or 1.0
     rows = [[name, t / total] for t, name in own[:top]]
     return rows + [["other", sum(t for t, _ in own[top:]) / total]]
+
+
+def _function_label(file: str, line: int, name: str) -> str:
+    """'module.function' for Python code; the bare method name for C built-ins ('einsum', 'ndarray.astype')."""
+    if file != "~":
+        return f"{Path(file).stem}.{name}"
+    if "method '" in name:                          # <method 'astype' of 'numpy.ndarray' objects>
+        meth, owner = name.split("'")[1], name.split("'")[3]
+        return f"{owner.split('.')[-1]}.{meth}"
+    return name.strip("<>").split(".")[-1].replace("built-in method ", "")   # <built-in method numpy.array>
 
 
 def wide_model_path(cache: Path | None = None) -> Path:
@@ -218,6 +228,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--numba-threads", default="2,1", help="numba thread counts to run (each one a row)")
     ap.add_argument("--cuda-kernels", action="store_true", help="benchmark the CUDA matvec kernels instead")
     args = ap.parse_args(argv)
     if args.cuda_kernels:
@@ -234,6 +245,11 @@ def main(argv=None) -> dict:
 
     have = available_backends()
     backends = [b for b in args.backends.split(",") if b]
+    numba_threads = [None]
+    if "numba" in backends and "numba" in have:        # each thread count is one row of the results
+        from numba import config, set_num_threads
+        numba_threads = sorted({min(int(t), config.NUMBA_NUM_THREADS) for t in args.numba_threads.split(",")},
+                               reverse=True)
     bw = read_bandwidth()
     print(f"read bandwidth: {bw['parallel_gbps']:.1f} GB/s ({bw['threads']} threads), "
           f"{bw['numpy_1_thread_gbps']:.1f} GB/s (1 thread); the floor uses {bw['gbps']:.1f} GB/s")
@@ -254,12 +270,21 @@ def main(argv=None) -> dict:
                 print(f"{model}: {b} skipped (not available)")
                 continue
             steps = args.slow_steps if (model == "wide" and b in ("numpy", "mlx")) else args.steps
-            r = bench_backend(path, b, prompt, steps, args.ctx)
-            r["decode_gbps"] = per_tok * r["decode_tok_s"] / 1e9
-            r["fraction_of_floor"] = r["decode_tok_s"] / entry["floor_tok_s"]
-            entry["runs"].append(r)
-            print(f"{model:8s} {b:6s} prefill {r['prefill_tok_s']:8.2f} tok/s  decode {r['decode_tok_s']:8.2f} tok/s"
-                  f"  {r['decode_gbps']:6.2f} GB/s  {100 * r['fraction_of_floor']:5.1f}% of the floor")
+            for threads in (numba_threads if b == "numba" else [None]):
+                if threads is not None:
+                    set_num_threads(threads)
+                r = bench_backend(path, b, prompt, steps, args.ctx)
+                if threads is not None:
+                    r["threads"] = threads
+                    r["label"] = f"numba {threads}t"
+                r["decode_gbps"] = per_tok * r["decode_tok_s"] / 1e9
+                r["fraction_of_floor"] = r["decode_tok_s"] / entry["floor_tok_s"]
+                entry["runs"].append(r)
+                print(f"{model:8s} {r.get('label', b):9s} prefill {r['prefill_tok_s']:8.2f} tok/s  decode "
+                      f"{r['decode_tok_s']:8.2f} tok/s  {r['decode_gbps']:6.2f} GB/s  "
+                      f"{100 * r['fraction_of_floor']:5.1f}% of the floor")
+            if b == "numba":
+                set_num_threads(max(numba_threads))
         results["models"][model] = entry
     results["load_average_after"] = list(os.getloadavg())     # other work on a shared machine shows here
     out = Path(args.out)

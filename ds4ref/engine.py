@@ -10,11 +10,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4ref.kvcache import KVCache
+from ds4ref.kvcache import KVCache, kv_cache_bytes
 from ds4ref.model import forward_token, prefill
 from ds4ref.sample import SampleRNG, SamplingError, sample, sample_argmax
 from ds4ref.tokenizer import Tokenizer
 from ds4ref.trace import Trace
+
+
+MAX_CACHE_BYTES = 16 * 2**30   # refuse a session whose KV cache alone would exceed this
 
 
 class SessionError(ValueError):
@@ -113,8 +116,12 @@ class Session:
     """
 
     def __init__(self, engine: Engine, ctx_size: int = 1024, force_decisions: dict | None = None):
-        if int(ctx_size) != ctx_size or ctx_size < 2:
-            raise SessionError(f"ctx_size: must be an integer >= 2, got {ctx_size}")
+        if isinstance(ctx_size, bool) or not isinstance(ctx_size, (int, np.integer)) or ctx_size < 2:
+            raise SessionError(f"ctx_size: must be an integer >= 2, got {ctx_size!r}")
+        need = kv_cache_bytes(engine.cfg, int(ctx_size))["total"]
+        if need > MAX_CACHE_BYTES:
+            raise ContextOverflowError(f"ctx_size {ctx_size}: the KV cache would take {need / 2**30:.1f} GiB "
+                                       f"(limit {MAX_CACHE_BYTES / 2**30:.0f} GiB, MAX_CACHE_BYTES)")
         self.engine, self.cfg = engine, engine.cfg
         self.ctx_size = int(ctx_size)
         self.force = force_decisions
@@ -340,50 +347,34 @@ class Session:
 
 
 def _flatten(obj, prefix: str) -> dict[str, np.ndarray]:
-    """Arrays and scalars of a cache object tree as {dotted.name: array} (for np.savez)."""
+    """The arrays and numbers of a cache object tree as {dotted.name: array} (for np.savez)."""
     out = {}
-    items = enumerate(obj) if isinstance(obj, (list, tuple)) else vars(obj).items()
+    items = enumerate(obj) if isinstance(obj, list) else vars(obj).items()
     for name, v in items:
         key = f"{prefix}.{name}"
-        if isinstance(v, np.ndarray) or isinstance(v, (bool, int, float, np.generic)):
+        if isinstance(v, (np.ndarray, bool, int, float, np.generic)):
             out[key] = np.asarray(v)
-        elif v is None or isinstance(v, (str, bytes)) or callable(v):
-            continue
-        elif isinstance(v, (list, tuple)) or hasattr(v, "__dict__"):
-            if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, np.generic)) for x in v):
-                out[key] = np.asarray(v)
-            else:
-                out.update(_flatten(v, key))
+        elif isinstance(v, list) or (hasattr(v, "__dict__") and not callable(v)):
+            out.update(_flatten(v, key))
     return out
 
 
 def _unflatten(obj, prefix: str, arrays: dict, path) -> None:
-    """Write saved arrays back into a freshly built cache of the same shape, checking each one."""
+    """Write saved arrays into a freshly built cache of the same model and ctx, checking every one."""
     want = _flatten(obj, prefix)
     if set(want) != set(arrays):
         diff = sorted(set(want) ^ set(arrays))[:3]
         raise SessionError(f"load {path}: cache layout differs from this model's ({diff} ...)")
     for key, value in arrays.items():
-        ref = want[key]
-        if ref.shape != value.shape and ref.ndim > 0:
-            # growable arrays (e.g. compressed rows) may differ in length; other dims must agree
-            if ref.ndim != value.ndim or ref.shape[1:] != value.shape[1:]:
-                raise SessionError(f"load {path}: {key} has shape {value.shape}, expected {ref.shape}")
-        parent, name = obj, key.split(".")[1:]
-        for part in name[:-1]:
-            parent = parent[int(part)] if isinstance(parent, (list, tuple)) else getattr(parent, part)
-        last = name[-1]
-        cur = parent[int(last)] if isinstance(parent, (list, tuple)) else getattr(parent, last)
-        if isinstance(cur, np.ndarray):
-            new = value.astype(cur.dtype)
-        elif isinstance(cur, (list, tuple)):
-            new = type(cur)(value.tolist())
-        else:
-            new = type(cur)(value.item())
-        if isinstance(parent, list):
-            parent[int(last)] = new
-        else:
-            setattr(parent, last, new)
+        if value.shape != want[key].shape:
+            raise SessionError(f"load {path}: {key} has shape {value.shape}, expected {want[key].shape}")
+        *parents, last = key.split(".")[1:]
+        parent = obj
+        for part in parents:
+            parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
+        current = getattr(parent, last)
+        setattr(parent, last, value.astype(current.dtype) if isinstance(current, np.ndarray)
+                else type(current)(value.item()))
 
 
 def logit_agreement(ours: np.ndarray, ref: np.ndarray) -> dict:

@@ -71,6 +71,8 @@ def q8_0_fields(a, n: int):
     """Check a Q8_0 activation (qs, d) against row length n: ([qs int8 [T, n], d float32 [T, n/32]], batch shape).
 
     Mirrors ds4.c: quantize_q8_0_activation (l. 3195) (xq, xscale)"""
+    if not (hasattr(a, "qs") and hasattr(a, "d")):
+        raise MatvecError(f"a Q8_0 activation needs fields qs and d (a Q8Act), got {type(a).__name__}")
     return activation_fields({"qs": a.qs, "d": a.d}, n, {"d": (np.float32, QK8_0)}, "Q8_0 activation")
 
 
@@ -78,6 +80,8 @@ def q8_K_fields(a, n: int):
     """Check a Q8_K activation (qs, d, bsums) against row length n: ([qs, d, bsums] as [T, ...], batch shape).
 
     Mirrors ds4.c: block_q8_K (l. 146)"""
+    if not all(hasattr(a, f) for f in ("qs", "d", "bsums")):
+        raise MatvecError(f"a Q8_K activation needs fields qs, d and bsums (a Q8KAct), got {type(a).__name__}")
     return activation_fields({"qs": a.qs, "d": a.d, "bsums": a.bsums}, n,
                              {"d": (np.float32, QK_K), "bsums": (np.int16, 16)}, "Q8_K activation")
 

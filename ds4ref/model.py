@@ -9,6 +9,7 @@ import numpy as np
 
 from ds4ref.attention_layer import layer_attention_batch, layer_attention_one
 from ds4ref.backend import NUMPY
+from ds4ref.gguf import GGMLType
 from ds4ref.hc import hc_from_plain_embedding, hc_mix, hc_weighted_sum, output_hc_weights
 from ds4ref.moe import layer_ffn_batch, layer_ffn_one
 from ds4ref.norms import rms_norm_weight
@@ -25,6 +26,8 @@ def embed_token(w, token: int) -> np.ndarray:
     Mirrors ds4.c: embed_token_f16 (l. 2756)
     """
     table = w.token_embd
+    if table.ggml_type != GGMLType.F16:
+        raise ModelError(f"tensor {table.name!r}: expected type F16, got {GGMLType(table.ggml_type).name}")
     if not 0 <= int(token) < table.data.shape[0]:
         raise ModelError(f"token id {token}: out of range [0, {table.data.shape[0]})")
     return table.data[int(token)].view(np.float16).astype(np.float32)

@@ -20,15 +20,15 @@ IQ2XXS_SIGNS = np.ascontiguousarray(iq2xxs_signs.reshape(-1))
 
 
 
-def run_kernel(kernel, n_rows: int, *args, min_rows: int = 512) -> None:
-    """Call a numba kernel over n_rows output rows; compile it (first call only) with LLVM's SLP vectorizer on.
+def run_kernel(kernel, *args, rows: int | None = None, min_rows: int = 512) -> None:
+    """Call kernel(*args); compile it (first call only) with LLVM's SLP vectorizer on.
 
     numba leaves SLP off by default; without it the fully unrolled 32-wide int8 dots stay scalar (~4x slower).
-    Like ds4.c, fewer than `min_rows` rows run on the calling thread alone: waking the other threads costs
-    more than it saves. Mirrors ds4.c: ds4_parallel_for_min_rows (l. 736)"""
+    Like ds4.c, a kernel over fewer than `min_rows` output `rows` runs on the calling thread alone: waking
+    the other threads costs more than it saves. Mirrors ds4.c: ds4_parallel_for_min_rows (l. 736)"""
     old_slp, old_threads = config.SLP_VECTORIZE, get_num_threads()
     config.SLP_VECTORIZE = 1
-    if n_rows < min_rows:
+    if rows is not None and rows < min_rows:
         set_num_threads(1)
     try:
         kernel(*args)
@@ -193,7 +193,7 @@ class NumbaBackend(NumpyBackend):
         raw = _rows(w, 8)
         (xq, xd), lead = q8_0_fields(a, row_elements(raw, 8))
         out = _out(len(xq), raw.shape[0])
-        run_kernel(q8_0_kernel, raw.shape[0], raw, xq, xd, F16_TO_F32, out)
+        run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=raw.shape[0])
         return out.reshape(lead + (raw.shape[0],))
 
     def matvec_q8_0(self, w, x) -> np.ndarray:
@@ -210,7 +210,7 @@ class NumbaBackend(NumpyBackend):
             raise MatvecError(f"F16 matvec: x has shape {x.shape}, the weight rows have {n} values")
         x2 = np.ascontiguousarray(x.reshape(-1, n), dtype=np.float32)
         out = _out(len(x2), raw.shape[0])
-        run_kernel(f16_kernel, raw.shape[0], raw.view(np.uint16), x2, F16_TO_F32, out,
+        run_kernel(f16_kernel, raw.view(np.uint16), x2, F16_TO_F32, out, rows=raw.shape[0],
                    min_rows=1 if raw.shape[0] * n >= 262144 else 512)   # as matvec_f16 (l. 2841)
         return out.reshape(x.shape[:-1] + (raw.shape[0],))
 
@@ -220,7 +220,7 @@ class NumbaBackend(NumpyBackend):
         raw = _rows(w, 10)
         (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, 10))
         out = _out(len(yq), raw.shape[0])
-        run_kernel(q2_K_kernel, raw.shape[0], raw, yq, yd, ybs, F16_TO_F32, out)
+        run_kernel(q2_K_kernel, raw, yq, yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
         return out.reshape(lead + (raw.shape[0],))
 
     @staticmethod
@@ -229,7 +229,7 @@ class NumbaBackend(NumpyBackend):
         raw = _rows(w, 12)
         (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, 12))
         out = _out(len(yq), raw.shape[0])
-        run_kernel(q4_K_kernel, raw.shape[0], raw, yq, yd, ybs, F16_TO_F32, out)
+        run_kernel(q4_K_kernel, raw, yq, yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
         return out.reshape(lead + (raw.shape[0],))
 
     @staticmethod
@@ -242,7 +242,8 @@ class NumbaBackend(NumpyBackend):
             raise MatvecError(f"IQ2_XXS pair: gate {g_raw.shape} and up {u_raw.shape} do not match")
         (yq, yd, _), lead = q8_K_fields(a, row_elements(g_raw, 16))
         g, u = _out(len(yq), g_raw.shape[0]), _out(len(yq), g_raw.shape[0])
-        run_kernel(iq2_xxs_pair_kernel, g_raw.shape[0], g_raw, u_raw, yq, yd, IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, g, u)
+        run_kernel(iq2_xxs_pair_kernel, g_raw, u_raw, yq, yd, IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, g, u,
+                   rows=g_raw.shape[0])
         shape = lead + (g_raw.shape[0],)
         return g.reshape(shape), u.reshape(shape)
 

@@ -265,6 +265,16 @@ def test_whole_model_meets_the_oracle_bounds_case_C(name, path, forced, oracle_g
     assert m["max_abs"].max() <= LOOSE["max_abs"], m["max_abs"].max()
 
 
+def test_numba_long_stream_with_forced_decisions_case_A(oracle_gguf, golden_A):
+    """Case A token by token past the 128-row window, the first indexer selection (position 67) and the first
+    ratio-128 row (127), with ds4.c's expert and indexer decisions replayed."""
+    n = 160
+    run = replay_golden(Engine.open(oracle_gguf, backend="numba"), golden_A, "stream", True, n_prompt=n, n_steps=0)
+    m = logit_agreement(run["pos_logits"], golden_A["stream_pos_logits"][:n])
+    assert m["corr"].min() >= LOOSE["corr"] and m["max_abs"].max() <= LOOSE["max_abs"], (m["corr"].min(), m["max_abs"].max())
+    assert m["mean_abs"].max() <= LOOSE["mean_abs"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CuPy on a CUDA GPU (skipped without one; run by tools/gpu_check.sh)
 
@@ -345,3 +355,83 @@ def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
 @pytest.mark.parametrize("path", ["batch", "stream"])
 def test_cupy_whole_model_meets_the_oracle_bounds_case_C(path, oracle_gguf, golden_C):
     test_whole_model_meets_the_oracle_bounds_case_C("cupy", path, True, oracle_gguf, golden_C)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CuPy glue without a GPU: a stand-in `cupy` module whose kernels check every launch against the
+# parameter list parsed from kernels/*.cu (count and C type of each argument, launch shape), so that an
+# arity or type slip in the Python side fails here and not only on a GPU machine.
+
+class _FakeKernel:
+    def __init__(self, name, params, launches):
+        self.name, self.params, self.launches = name, params, launches
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert len(args) == len(self.params), (self.name, len(args), self.params)
+        for arg, param in zip(args, self.params):
+            if "*" in param:
+                assert isinstance(arg, np.ndarray) or (isinstance(arg, np.uint64) and arg == 0), (self.name, param, arg)
+            elif param.split()[-2:-1] == ["long"] or param.startswith("long long"):
+                assert isinstance(arg, np.int64), (self.name, param, type(arg))
+            elif param.split()[0] == "int":
+                assert isinstance(arg, np.int32), (self.name, param, type(arg))
+            elif param.split()[0] == "float":
+                assert isinstance(arg, np.float32), (self.name, param, type(arg))
+        assert all(isinstance(g, int) and g > 0 for g in grid) and all(isinstance(b, int) and 0 < b <= 1024 for b in block)
+        self.launches.append(self.name)
+
+
+class _FakeModule:
+    def __init__(self, code, options=(), launches=None):
+        self.sigs = {m.group(1): [p.strip() for p in m.group(2).split(",")]
+                     for m in re.finditer(r'extern "C" __global__ void (\w+)\(([^)]*)\)', code)}
+        self.launches = launches
+
+    def compile(self):
+        pass
+
+    def get_function(self, name):
+        return _FakeKernel(name, self.sigs[name], self.launches)
+
+
+@pytest.fixture()
+def fake_cupy(monkeypatch):
+    import sys
+    import types
+    launches = []
+    cp = types.ModuleType("cupy")
+    cp.float32, cp.int8 = np.float32, np.int8
+    cp.asarray = lambda a, dtype=None: np.ascontiguousarray(a, dtype=dtype)
+    cp.empty = lambda shape, dtype=np.float32: np.zeros(shape, dtype)
+    cp.asnumpy = np.asarray
+    cp.RawModule = lambda code, options=(): _FakeModule(code, options, launches)
+    cp.cuda = types.SimpleNamespace(Device=lambda d: types.SimpleNamespace(use=lambda: None))
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    return launches
+
+
+def test_cupy_glue_launches_every_kernel_with_the_signature_of_its_source(fake_cupy, model, ops_A):
+    from ds4ref.backends.cupy_backend import CupyBackend
+    be = CupyBackend()
+    _, cfg, W = model
+    L, K = W.layers[4], "L4.P131."
+    ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
+    assert be.matvec_q8_0(L.attn_q_a, ops_A[K + "attn_norm"]).shape == (cfg.n_lora_q,)
+    assert be.matvec_q8_0_prequant(L.attn_q_b, q8(ops_A, K + "q8.attn_q_b")).shape == (cfg.n_head * cfg.head_dim,)
+    assert be.matvec_f16(L.ffn_gate_inp, np.ones((3, cfg.n_embd), np.float32)).shape == (3, cfg.n_expert)
+    g, u = be.matvec_iq2_xxs_pair_q8_K(L.ffn_gate_exps.expert(1), L.ffn_up_exps.expert(1), q8k(ops_A, K + "q8k.ffn_gate_up_exps"))
+    assert g.shape == u.shape == (cfg.n_ff_exp,)
+    assert be.matvec_q2_K_q8_K(L.ffn_down_exps.expert(2), q8k(ops_A, K + "q8k.ffn_down_exps", 0)).shape == (cfg.n_embd,)
+    assert be.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, q8k(ops_A, K + "q8k.ffn_gate_up_exps")).shape == (6, cfg.n_ff_exp)
+    assert be.routed_experts_down(L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps")).shape == (cfg.n_embd,)
+    assert be.rms_norm_rows(ops_A[K + "q_b"]).shape == ops_A[K + "q_b"].shape
+    assert be.rms_norm_rows(ops_A[K + "attn_x"], L.attn_norm).shape == (cfg.n_embd,)
+    assert be.rope_tail(ops_A[K + "q_normed"], 131, cfg, cfg.compress_ratio(4), inverse=True).shape == (cfg.n_head, cfg.head_dim)
+    rows, allowed, n_raw = cached_rows(ops_A, K)
+    assert be.attention_rows(ops_A[K + "q_rope"], rows, L.attn_sinks, allowed, n_raw).shape == (cfg.n_head, cfg.head_dim)
+    assert be.compressor_pool(ops_A[K + "comp_state_kv"], ops_A[K + "comp_state_score"], cfg.head_dim, 4).shape == (cfg.head_dim,)
+    assert set(fake_cupy) == set(KERNEL_NAMES)
+    assert be.resident_bytes() > 0
+    be.release()
+    assert be.resident_bytes() == 0

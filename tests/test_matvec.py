@@ -99,7 +99,7 @@ def test_routed_expert_matvecs_reproduce_ds4c(be, model, ops_A):
             d = be.matvec_q2_K_q8_K(rows, q8k(ops_A, k + "q8k.ffn_down_exps", slot))
             worst_down = max(worst_down, rel(d, ops_A[k + "exp_down"][slot]))
     assert worst_down <= 1e-5
-    assert worst_down > 0        # measured 2.4e-7: ds4's compiled code orders the two float products differently
+    assert worst_down > 0        # measured 3.2e-7: ds4's compiled code orders the two float products differently
 
 
 @pytest.mark.parametrize("be", BACKENDS, ids=lambda b: b.name)
@@ -275,6 +275,10 @@ def test_bad_input_raises_named_errors(be, model):
         be.matvec_iq2_xxs_pair_q8_K(lw.ffn_gate_exps.expert(0), lw.ffn_up_exps.data[:10], k)
     with pytest.raises(MatvecError, match="expected type Q2_K, got IQ2_XXS"):
         be.matvec_q2_K_q8_K(lw.ffn_gate_exps.expert(0), k)
+    with pytest.raises(MatvecError, match="needs fields qs and d"):
+        be.matvec_q8_0_prequant(lw.attn_kv, np.ones(256, np.float32))
+    with pytest.raises(MatvecError, match="needs fields qs, d and bsums"):
+        be.matvec_q2_K_q8_K(lw.ffn_down_exps.expert(0), quantize_q8_0(np.ones(256, np.float32)))
     with pytest.raises(QuantError, match="NaN"):        # the quantizer refuses non-finite activations
         be.matvec_q8_0(lw.attn_kv, np.full(256, np.nan, np.float32))
 

@@ -26,8 +26,13 @@ if ! $PY -c "import cupy" 2>/dev/null; then
     log "CuPy missing: pip install -r requirements-cuda.txt"
     $PY -m pip install -q -r requirements-cuda.txt 2>&1 | tail -3 | tee -a "$OUT/gpu_check.log"
 fi
-# ds4ref from this checkout, with kernels/ installed as ds4ref.kernels (pyproject package-dir)
+# ds4ref from this checkout, with kernels/ installed as ds4ref.kernels (pyproject package-dir); where an
+# offline editable install is not possible, a link ds4ref/kernels -> ../kernels in this (disposable) copy
 $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3 | tee -a "$OUT/gpu_check.log"
+if ! $PY -c "import ds4ref.kernels, ds4ref.backends.cupy_backend" 2>/dev/null; then
+    log "editable install unavailable: linking ds4ref/kernels -> ../kernels"
+    ln -sfn ../kernels ds4ref/kernels
+fi
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   $PY -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"

@@ -7,10 +7,10 @@ from importlib import resources
 
 import numpy as np
 
-from ds4ref.backend import NumpyBackend
-from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.attention import attention_rows as attention_rows_reference
+from ds4ref.backend import NumpyBackend
 from ds4ref.backends import f32_of, row_mask
+from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid, quantize_q8_0
 
 KERNEL_FILES = ("matvec.cu", "layer_ops.cu")
@@ -79,9 +79,17 @@ class CupyBackend(NumpyBackend):
         return hit[1]
 
     def resident_bytes(self) -> int:
+        """Device bytes held by resident weights."""
         return sum(int(d.nbytes) for _, d in self._resident.values())
 
+    def release(self) -> None:
+        """Drop every resident weight (e.g. before opening another model with the same backend)."""
+        self._resident.clear()
+        self.cp.get_default_memory_pool().free_all_blocks()
+
     def _launch_rows(self, kernel, rows: int, slots: int, args):
+        if slots > 65535:                             # grid.y limit: tokens or expert slots per launch
+            raise ValueError(f"CUDA matvec: {slots} activation rows in one call; at most 65535")
         kernel(((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, slots), (32 * ROWS_PER_BLOCK,), args)
 
     # -- matvecs --------------------------------------------------------------------------------------------------

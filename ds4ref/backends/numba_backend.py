@@ -13,10 +13,12 @@ from ds4ref.numba_kernels import NumbaBackend as _MatvecBackend     # chapter 03
 from ds4ref.numba_kernels import run_kernel                         # compiles with LLVM's SLP vectorizer on
 from ds4ref.quant import iq2xxs_grid, iq2xxs_signs, quantize_q8_K
 
-# Tables as data for the kernels: f16 bits -> float32, and ds4.c's signed IQ2_XXS grid (l. 303-307):
-# IQ2XXS_SIGNED_GRID[(index * 128 + sign_index) * 8 + k] = grid value k of point `index` times sign k.
+# Tables as data for the kernels: f16 bits -> float32, and chapter 2's IQ2_XXS grid (256 points x 8 bytes) and
+# sign patterns (128 x 8, +-1), flat. Two small tables stay in L1; ds4.c's premultiplied signed grid
+# (iq2xxs_signed_grid[256][128][8], l. 303) is 256 KB, and measured slower here.
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-IQ2XXS_SIGNED_GRID = (iq2xxs_grid[:, None, :].astype(np.int8) * iq2xxs_signs[None, :, :]).reshape(-1)
+IQ2XXS_GRID = np.ascontiguousarray(iq2xxs_grid.reshape(-1))
+IQ2XXS_SIGNS = np.ascontiguousarray(iq2xxs_signs.reshape(-1))
 
 
 @njit(inline="always")
@@ -33,10 +35,10 @@ def _f16(lut, raw, r, o):
 
 
 @njit(inline="always")
-def _iq2_xxs_row(w, r, yq, yd, t, sgrid, lut):
-    """One IQ2_XXS row (bytes w[r]) against Q8_K activation row t: per 32-group four signed-grid rows of 8,
-    an int32 dot, times 2s+1; per block (d_w d_y) bsum; 1/8 of the float sum over blocks.
-    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889), scalar branch"""
+def _iq2_xxs_row(w, r, yq, yd, t, grid, signs, lut):
+    """One IQ2_XXS row (bytes w[r]) against Q8_K activation row t: per 32-group four grid rows of 8 (flat
+    table `grid`, 256 x 8) times four sign rows (flat `signs`, 128 x 8), an int32 dot, times 2s+1; per block
+    (d_w d_y) bsum; 1/8 of the float sum over blocks. Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
     acc = np.float32(0.0)
     for b in range(w.shape[1] // 66):
         o = b * 66 + 2
@@ -45,17 +47,17 @@ def _iq2_xxs_row(w, r, yq, yd, t, sgrid, lut):
             go = o + 8 * g
             word = (np.uint32(w[r, go + 4]) | (np.uint32(w[r, go + 5]) << 8)
                     | (np.uint32(w[r, go + 6]) << 16) | (np.uint32(w[r, go + 7]) << 24))
-            a0 = (np.int32(w[r, go]) * 128 + np.int32(word & 127)) * 8
-            a1 = (np.int32(w[r, go + 1]) * 128 + np.int32((word >> 7) & 127)) * 8
-            a2 = (np.int32(w[r, go + 2]) * 128 + np.int32((word >> 14) & 127)) * 8
-            a3 = (np.int32(w[r, go + 3]) * 128 + np.int32((word >> 21) & 127)) * 8
+            a0, s0 = np.int32(w[r, go]) * 8, np.int32(word & 127) * 8
+            a1, s1 = np.int32(w[r, go + 1]) * 8, np.int32((word >> 7) & 127) * 8
+            a2, s2 = np.int32(w[r, go + 2]) * 8, np.int32((word >> 14) & 127) * 8
+            a3, s3 = np.int32(w[r, go + 3]) * 8, np.int32((word >> 21) & 127) * 8
             e = b * 256 + 32 * g
             sumi = np.int32(0)
             for k in range(8):
-                sumi = np.int32(sumi + np.int32(sgrid[a0 + k]) * np.int32(yq[t, e + k])
-                                + np.int32(sgrid[a1 + k]) * np.int32(yq[t, e + 8 + k])
-                                + np.int32(sgrid[a2 + k]) * np.int32(yq[t, e + 16 + k])
-                                + np.int32(sgrid[a3 + k]) * np.int32(yq[t, e + 24 + k]))
+                sumi = np.int32(sumi + np.int32(grid[a0 + k]) * np.int32(signs[s0 + k]) * np.int32(yq[t, e + k])
+                                + np.int32(grid[a1 + k]) * np.int32(signs[s1 + k]) * np.int32(yq[t, e + 8 + k])
+                                + np.int32(grid[a2 + k]) * np.int32(signs[s2 + k]) * np.int32(yq[t, e + 16 + k])
+                                + np.int32(grid[a3 + k]) * np.int32(signs[s3 + k]) * np.int32(yq[t, e + 24 + k]))
             bsum = np.int32(bsum + sumi * np.int32(2 * (word >> 28) + 1))
         acc += (_f16(lut, w, r, o - 2) * yd[t, b]) * np.float32(bsum)
     return np.float32(0.125) * acc
@@ -87,7 +89,7 @@ def _q2_K_row(w, r, yq, yd, ybs, t, lut):
 
 
 @njit(parallel=True, cache=True)
-def experts_mid_kernel(wg, wu, ids, rows, yq, yd, weights, clamp, grid, lut, mid):
+def experts_mid_kernel(wg, wu, ids, rows, yq, yd, weights, clamp, grid, signs, lut, mid):
     """mid[s, r] = silu(min(g, c)) * clamp(u, -c, c) * weights[s] for every selected expert s and row r, in parallel
     over all (s, r); g, u = row r of expert ids[s] of the gate/up tensors (uint8 [n_expert*rows, row_bytes])
     against the one Q8_K activation yq [1, n]. Mirrors ds4.c: matvec_iq2_xxs_mid_worker (l. 3893)"""
@@ -95,8 +97,8 @@ def experts_mid_kernel(wg, wu, ids, rows, yq, yd, weights, clamp, grid, lut, mid
     for job in prange(k * rows):
         s = job // rows
         row = np.int64(ids[s]) * rows + (job - s * rows)
-        g = _iq2_xxs_row(wg, row, yq, yd, 0, grid, lut)
-        u = _iq2_xxs_row(wu, row, yq, yd, 0, grid, lut)
+        g = _iq2_xxs_row(wg, row, yq, yd, 0, grid, signs, lut)
+        u = _iq2_xxs_row(wu, row, yq, yd, 0, grid, signs, lut)
         if clamp > np.float32(1e-6):
             g = min(g, clamp)
             u = min(max(u, -clamp), clamp)
@@ -168,7 +170,7 @@ class NumbaBackend(_MatvecBackend):
         yd = np.ascontiguousarray(a.d, np.float32).reshape(1, n // 256)
         mid = np.empty((len(ids), rows), np.float32)
         run_kernel(experts_mid_kernel, wg, wu, ids, rows, yq, yd, np.ascontiguousarray(weights, np.float32),
-                   np.float32(clamp), IQ2XXS_SIGNED_GRID, F16_TO_F32, mid)
+                   np.float32(clamp), IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, mid)
         return mid
 
     def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
