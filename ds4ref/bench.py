@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     m.add_argument("--repeats", type=int, default=30)
     m.add_argument("--backends", default="numpy,numba:1,numba", help="numpy, numba (all threads), numba:N")
     m.add_argument("--out", type=Path, default=None)
-    sub.add_parser("engine", help="whole-engine benchmark (ds4ref.bench_engine, chapter 09)")
+    sub.add_parser("engine", add_help=False, help="whole-engine benchmark (ds4ref.bench_engine, chapter 09; its options pass through)")
     sub.add_parser("all", help="matvec, then engine")
     args, rest = p.parse_known_args(argv)
     if args.cmd in ("matvec", "all"):

@@ -49,6 +49,8 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
     out["numpy_1_thread_gbps"] = statistics.median(runs)
     try:
         from numba import get_num_threads, njit, prange
+        from ds4ref.backends.numba_backend import prefer_workqueue_threads
+        prefer_workqueue_threads()                 # before this process's first parallel kernel
 
         @njit(parallel=True, cache=True)
         def _sum(x):
