@@ -16,13 +16,15 @@ import numpy as np
 
 RESULTS = Path("book/results/engine_bench.json")     # run from the repository root
 DS4C_WIDE_DECODE_TOK_S = (9.13, 9.67)     # ds4.c CPU, 2 threads, this machine kind (data/oracle/golden.json)
+ORACLE_MODEL = Path("data/oracle/dev_seed1.gguf")
 
 
 
 
 def decode_bytes_per_token(cfg) -> int:
     """Weight bytes one decode token reads, from the tensor specs of shape cfg (nothing loaded): every tensor
-    once, n_expert_used / n_expert of each routed-expert tensor, one row of the embedding and of the hash table."""
+    once, n_expert_used / n_expert of each routed-expert tensor, one row of the embedding and of the hash table.
+    Mirrors ds4.c: nothing (benchmark harness; the tensor table of weights_bind, l. 2650)"""
     from ds4ref.quant import row_bytes
     from ds4ref.weights import tensor_specs
     total = 0
@@ -38,7 +40,9 @@ def decode_bytes_per_token(cfg) -> int:
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
-    """Median GB/s of summing a `nbytes` array: one numpy thread, and all cores through numba when present."""
+    """Median GB/s of summing a `nbytes` array: one numpy thread, and all cores through numba when present.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
     a = np.ones(nbytes // 8, np.float64)
     out = {"bytes": int(a.nbytes)}
     runs = []
@@ -75,7 +79,9 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
 
 
 def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -> dict:
-    """Open `path` with `backend`, warm up, then time the prefill of `prompt` and `steps` greedy decode steps."""
+    """Open `path` with `backend`, warm up, then time the prefill of `prompt` and `steps` greedy decode steps.
+
+    Mirrors ds4.c: nothing (benchmark harness; ds4.c's CLI prints the same tokens/s)"""
     from ds4ref.engine import Engine
     eng = Engine.open(path, backend=backend)
     warm = eng.session(ctx_size=ctx)              # compiles kernels, uploads weights, faults pages in
@@ -101,7 +107,8 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
 
 def decode_profile(session, tok: int, steps: int, top: int = 8) -> list:
     """Where a decode step's time goes: the `top` functions by own time over `steps` steps, as
-    [function, share of the total]; the rest is summed as 'other'."""
+    [function, share of the total]; the rest is summed as 'other'.
+    Mirrors ds4.c: nothing (benchmark harness)"""
     import cProfile
     import pstats
     prof = cProfile.Profile()
@@ -127,7 +134,9 @@ def _function_label(file: str, line: int, name: str) -> str:
 
 
 def wide_model_path(cache: Path | None = None) -> Path:
-    """The 'wide' benchmark model (real widths, 2 layers, about 4 GB), written on first use into the cache dir."""
+    """The 'wide' benchmark model (real widths, 2 layers, about 4 GB), written on first use into the cache dir.
+
+    Mirrors ds4.c: nothing (the oracle's make_tiny_gguf.py --shape wide)"""
     from ds4ref.config import ModelConfig
     from ds4ref.writer import write_model
     cache = Path(cache or os.environ.get("DS4REF_CACHE") or Path.home() / ".cache" / "ds4ref")
@@ -143,7 +152,8 @@ def wide_model_path(cache: Path | None = None) -> Path:
 
 def random_blocks(rng, rows: int, n: int, ggml_type: int) -> np.ndarray:
     """Random valid GGUF rows uint8 [rows, row_bytes] (random codes, small finite f16 scales): speed does not
-    depend on the values, so the kernel benchmark needs no quantizer."""
+    depend on the values, so the kernel benchmark needs no quantizer.
+    Mirrors ds4.c: nothing (benchmark harness)"""
     from ds4ref.quant import row_bytes
     if ggml_type == 1:
         return rng.standard_normal((rows, n)).astype(np.float16).view(np.uint8)
@@ -158,13 +168,15 @@ def random_blocks(rng, rows: int, n: int, ggml_type: int) -> np.ndarray:
 
 def bench_cuda_kernels(repeats: int = 50) -> dict:
     """GB/s of weight bytes read by each CUDA matvec kernel at ds4's real shapes (device-resident inputs,
-    CUDA events), against the device's copy bandwidth measured in the same run."""
+    CUDA events), against the device's copy bandwidth measured in the same run.
+    Mirrors ds4.c: nothing (benchmark harness)"""
     import cupy as cp
     from ds4ref.backends import get_backend
     be = get_backend("cupy")
     rng = np.random.default_rng(0)
 
     def timed(fn):
+        """Seconds per call of fn, by CUDA events over `repeats` calls after one warm-up."""
         fn()
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record()
@@ -221,16 +233,20 @@ def bench_cuda_kernels(repeats: int = 50) -> dict:
 
 
 def main(argv=None) -> dict:
+    """`python -m ds4ref.bench engine [options]`: run the benchmark, print the table, write the results file.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
     ap = argparse.ArgumentParser(prog="python -m ds4ref.bench engine", description=__doc__)
     ap.add_argument("--backends", default="numpy,numba,mlx", help="comma-separated backend names")
-    ap.add_argument("--models", default="bundled,wide", help="bundled and/or wide")
+    ap.add_argument("--models", default="bundled,wide",
+                    help="bundled (written on first use), oracle (data/oracle/dev_seed1.gguf) and/or wide")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per backend")
     ap.add_argument("--slow-steps", type=int, default=3, help="decode steps for numpy and mlx on the wide model")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--numba-threads", default="2,1", help="numba thread counts to run (each one a row)")
+    ap.add_argument("--numba-threads", default="all,1", help="numba thread counts to run, each one a row ('all': every core)")
     ap.add_argument("--cuda-kernels", action="store_true", help="benchmark the CUDA matvec kernels instead")
     args = ap.parse_args(argv)
     if args.cuda_kernels:
@@ -250,8 +266,8 @@ def main(argv=None) -> dict:
     numba_threads = [None]
     if "numba" in backends and "numba" in have:        # each thread count is one row of the results
         from numba import config, set_num_threads
-        numba_threads = sorted({min(int(t), config.NUMBA_NUM_THREADS) for t in args.numba_threads.split(",")},
-                               reverse=True)
+        numba_threads = sorted({config.NUMBA_NUM_THREADS if t == "all" else min(int(t), config.NUMBA_NUM_THREADS)
+                                for t in args.numba_threads.split(",")}, reverse=True)
     bw = read_bandwidth()
     print(f"read bandwidth: {bw['parallel_gbps']:.1f} GB/s ({bw['threads']} threads), "
           f"{bw['numpy_1_thread_gbps']:.1f} GB/s (1 thread); the floor uses {bw['gbps']:.1f} GB/s")
@@ -261,7 +277,8 @@ def main(argv=None) -> dict:
                "ds4c_wide_decode_tok_s_2_threads": list(DS4C_WIDE_DECODE_TOK_S),
                "load_average_before": list(os.getloadavg())}
     for model in args.models.split(","):
-        path = default_model_path() if model == "bundled" else wide_model_path(args.cache_dir)
+        path = {"bundled": default_model_path, "oracle": lambda: ORACLE_MODEL,
+                "wide": lambda: wide_model_path(args.cache_dir)}[model]()
         _, cfg, _ = load_model(path)
         per_tok = decode_bytes_per_token(cfg)
         entry = {"path": path.name, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,

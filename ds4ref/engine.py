@@ -429,3 +429,61 @@ def replay_golden(engine: Engine, golden, path: str = "batch", forced: bool = Fa
     out["step_logits"] = np.stack([s.eval(int(t)).copy() for t in steps[:n_steps]]) if len(steps[:n_steps]) \
         else np.zeros((0, engine.cfg.n_vocab), np.float32)
     return out
+
+
+from ds4ref.backend import NUMPY
+from ds4ref.indexer import indexer_allowed
+from ds4ref.moe import topk_selected_experts
+
+SHADOW_TRACE = ("router_probs", "attn_norm", "qr_norm", "cache_icomp")   # the inputs of both decisions
+
+
+def shadow_decisions(cfg, weights, trace: Trace, be=NUMPY) -> dict:
+    """The expert and indexer choices ds4ref's own logic makes from the inputs a run traced (SHADOW_TRACE).
+
+    Layout of `force_decisions` (-1 rows: no indexer selection) plus the scores behind them:
+    {"experts": {il: ids[N, 6]}, "indexer": {il: rows[N, top_k]}, "expert_scores": {il: [N, n_expert]},
+    "indexer_scores": {il: {pos: [n_comp]}}}. Needs every position 0..N-1 traced.
+    Mirrors ds4.c: layer_topk_selected_experts_from_probs (l. 5329), indexer_allowed_decode_one (l. 6943)
+    """
+    out = {"experts": {}, "indexer": {}, "expert_scores": {}, "indexer_scores": {}}
+    for il, lw in enumerate(weights.layers):
+        if lw.ffn_gate_tid2eid is None:                       # a top-k routed layer
+            pos, probs = trace.series("router_probs", il)    # [N], [N, n_expert]
+            if not np.array_equal(pos, np.arange(len(pos))):
+                raise ValueError(f"shadow_decisions: layer {il}: traced positions are not 0..{len(pos) - 1}")
+            bias = None if lw.ffn_exp_probs_b is None else lw.ffn_exp_probs_b.numpy()
+            out["experts"][il] = topk_selected_experts(probs, bias, cfg.n_expert_used)
+            out["expert_scores"][il] = probs if bias is None else (probs + bias).astype(np.float32)
+        if cfg.compress_ratio(il) == 4:
+            pos, _ = trace.series("attn_norm", il)
+            rows = np.full((len(pos), cfg.indexer_top_k), -1, np.int32)
+            scores = {}
+            for p in pos:
+                icomp = trace[f"L{il}.P{p}.cache_icomp"]
+                if len(icomp) <= cfg.indexer_top_k:
+                    continue                                  # every row visible: no selection
+                got = {}
+                allowed = indexer_allowed(cfg, lw, il, trace[f"L{il}.P{p}.attn_norm"],
+                                          trace[f"L{il}.P{p}.qr_norm"], icomp, int(p), be,
+                                          lambda n, v: got.__setitem__(n, v))
+                rows[p] = np.flatnonzero(allowed)
+                scores[int(p)] = got["idx_scores"]
+            out["indexer"][il], out["indexer_scores"][il] = rows, scores
+    return out
+
+
+def decision_mismatches(decisions: dict, golden, path: str = "batch") -> dict:
+    """Where decisions (shadow_decisions' layout) differ from ds4.c's recorded ones, as sets.
+
+    Returns bool {"experts": [N, n_routed], "indexer": [N, n_indexed]}, layers in the golden files' order."""
+    ids = np.asarray(golden[f"trace_{path}_expert_ids"])
+    sel = np.asarray(golden[f"trace_{path}_indexer_selected"])
+    n = len(ids)
+    ours_e = [decisions["experts"][il] for il in sorted(decisions["experts"])]
+    ours_i = [decisions["indexer"][il] for il in sorted(decisions["indexer"])]
+    if len(ours_e) != ids.shape[1] or len(ours_i) != sel.shape[1] or any(len(o) < n for o in ours_e + ours_i):
+        raise ValueError(f"decision_mismatches: decisions do not cover the golden's {n} positions and layers")
+    differ = lambda ours, ref: np.array([[set(o[p].tolist()) != set(ref[p, j].tolist())
+                                          for j, o in enumerate(ours)] for p in range(n)])
+    return {"experts": differ(ours_e, ids), "indexer": differ(ours_i, sel)}

@@ -61,16 +61,34 @@ def q8_0_kernel(w, xq, xd, lut, out):
             out[t, r] = acc
 
 
+@njit(inline="always")
+def f16_to_f32(h):
+    """The float32 value of f16 bit pattern h (uint16), exact for every pattern, in branch-free integer steps.
+
+    The 15 exponent+mantissa bits, shifted up 13, are a float32 with the exponent bias of f16 (15, not 127):
+    one multiply by 2^112 re-biases normal numbers and turns subnormals into normal ones. Only inf/NaN
+    (exponent 31) need their exponent forced to 255. Mirrors ds4.c: f16_to_f32 (l. 1514)"""
+    em = np.uint32(np.uint32(h) & np.uint32(0x7fff))
+    bits = np.uint32(em << np.uint32(13))
+    f = np.float32(bits.view(np.float32) * np.float32(2.0 ** 112)).view(np.uint32)
+    if em >= np.uint32(0x7c00):                          # inf, NaN: keep the mantissa (NaN payload)
+        f = np.uint32(bits | np.uint32(0x7f800000))
+    sign = np.uint32(np.uint32(np.uint32(h) & np.uint32(0x8000)) << np.uint32(16))
+    return np.uint32(f | sign).view(np.float32)
+
+
 @njit(parallel=True, cache=True, fastmath={'reassoc', 'contract'})
 def f16_kernel(w16, x, lut, out):
     """out[t, r] = sum_i f16(w[r, i]) x[t, i] in float32; w16 uint16 [rows, n].
 
-    Reassociation allowed, as ds4.c's -ffast-math build allows it. Mirrors ds4.c: dot_f16_row (l. 2808)"""
+    The weights are converted as they are read, by f16_to_f32 (which vectorises; `lut` is only kept for the
+    kernels' common signature). Reassociation allowed, as ds4.c's -ffast-math build allows it.
+    Mirrors ds4.c: dot_f16_row (l. 2808)"""
     for r in prange(w16.shape[0]):
         for t in range(x.shape[0]):
             acc = np.float32(0.0)
             for i in range(w16.shape[1]):
-                acc += lut[w16[r, i]] * x[t, i]
+                acc += f16_to_f32(w16[r, i]) * x[t, i]
             out[t, r] = acc
 
 

@@ -16,11 +16,15 @@ AUTO_ORDER = ("cupy", "mlx", "numba", "numpy")   # fastest first, where each one
 
 
 class BackendError(ValueError):
-    """An unknown backend name, or a backend whose package or hardware is missing (the message says which)."""
+    """An unknown backend name, or a backend whose package or hardware is missing (the message says which).
+
+    Mirrors ds4.c: ds4_engine_open's backend check (l. 17165)"""
 
 
 def backend_status(name: str) -> tuple[bool, str]:
-    """(usable here?, why) for one backend name, without building it."""
+    """(usable here?, why) for one backend name, without building it.
+
+    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make cpu / metal / cuda)"""
     if name == "numpy":
         return True, "the reference, always available"
     if name == "numba":
@@ -91,13 +95,16 @@ def get_backend(name: str = "auto", verbose: bool = True) -> NumpyBackend:
 
 
 def f32_of(w) -> np.ndarray:
-    """A float32 array from an array or a `Tensor` (F32/F16 weights such as norms and sinks)."""
+    """A float32 array from an array or a `Tensor` (F32/F16 weights such as norms and sinks).
+
+    Mirrors ds4.c: tensor_data (l. 1472), for F32 tensors"""
     return np.ascontiguousarray(w.numpy() if hasattr(w, "numpy") else w, dtype=np.float32)
 
 
 def row_mask(n_rows: int, allowed=None, n_raw=None) -> np.ndarray:
     """bool [n_rows]: the first n_raw rows always, then `allowed` over the rest (all rows when allowed is None);
-    the convention of ds4ref.attention.attention_rows."""
+    the convention of ds4ref.attention.attention_rows.
+    Mirrors ds4.c: layer_attention_mixed_one (l. 6700), its comp_allowed test"""
     mask = np.ones(n_rows, bool)
     if allowed is not None:
         allowed = np.asarray(allowed).astype(bool).reshape(-1)
@@ -109,7 +116,9 @@ def row_mask(n_rows: int, allowed=None, n_raw=None) -> np.ndarray:
 
 
 def available_backends() -> dict[str, str]:
-    """{name: why} for every backend this machine can run."""
+    """{name: why} for every backend this machine can run.
+
+    Mirrors ds4.c: nothing (build-time choice in ds4.c)"""
     out = {}
     for name in BACKENDS:
         ok, why = backend_status(name)
@@ -119,7 +128,9 @@ def available_backends() -> dict[str, str]:
 
 
 def machine_description() -> dict:
-    """What a benchmark result needs to be read later: CPU, cores, memory, OS, Python and package versions."""
+    """What a benchmark result needs to be read later: CPU, cores, memory, OS, Python and package versions.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
     import os
     import numpy
     desc = {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),

@@ -21,12 +21,16 @@ NULL = np.uint64(0)       # a null pointer argument (optional weights, masks, ex
 
 
 def kernel_dir():
-    """The folder that holds the installed CUDA sources (ds4ref.kernels package data)."""
+    """The folder that holds the installed CUDA sources (ds4ref.kernels package data).
+
+    Mirrors ds4.c: nothing (package data)"""
     return resources.files("ds4ref.kernels")
 
 
 def kernel_source(name: str) -> str:
-    """The text of one installed CUDA source file, e.g. 'matvec.cu'."""
+    """The text of one installed CUDA source file, e.g. 'matvec.cu'.
+
+    Mirrors ds4.c: nothing (package data)"""
     return (kernel_dir() / name).read_text()
 
 
@@ -57,7 +61,8 @@ class CupyBackend(NumpyBackend):
     """NumpyBackend with the quantized matvecs, norms, RoPE, sink attention and compressor pooling on a CUDA GPU.
 
     Weights are uploaded once (their raw GGUF bytes: they stay quantized on the device) and kept resident,
-    keyed by the host array they came from; activations go up and results come back per call."""
+    keyed by the host array they came from; activations go up and results come back per call.
+    Mirrors ds4.c: the CUDA graph driver (l. 8082-14249), op by op"""
     name = "cupy"
 
     def __init__(self, device: int = 0):
@@ -70,7 +75,9 @@ class CupyBackend(NumpyBackend):
 
     # -- memory ---------------------------------------------------------------------------------------------------
     def resident(self, raw: np.ndarray):
-        """The device copy of a weight's raw bytes, uploaded on first use (the host array is kept alive with it)."""
+        """The device copy of a weight's raw bytes, uploaded on first use (the host array is kept alive with it).
+
+        Mirrors ds4.c: ds4_gpu_set_model_map_range (engine open, l. 17227-17250)"""
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides)
         hit = self._resident.get(key)
         if hit is None:
@@ -79,11 +86,15 @@ class CupyBackend(NumpyBackend):
         return hit[1]
 
     def resident_bytes(self) -> int:
-        """Device bytes held by resident weights."""
+        """Device bytes held by resident weights.
+
+        Mirrors ds4.c: nothing (bookkeeping)"""
         return sum(int(d.nbytes) for _, d in self._resident.values())
 
     def release(self) -> None:
-        """Drop every resident weight (e.g. before opening another model with the same backend)."""
+        """Drop every resident weight (e.g. before opening another model with the same backend).
+
+        Mirrors ds4.c: nothing (bookkeeping)"""
         self._resident.clear()
         self.cp.get_default_memory_pool().free_all_blocks()
 

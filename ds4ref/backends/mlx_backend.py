@@ -18,7 +18,8 @@ class MlxBackend(NumpyBackend):
     Each weight's raw GGUF bytes become one `mx.array` of uint8 on first use (cached, so they stay quantized:
     2.06 bits per IQ2_XXS weight, not 32); every call decodes the blocks it needs with MLX ops (views, shifts,
     a table gather for the IQ2_XXS grid) and forms ds4.c's integer block dots in int32, then the float
-    scale sums. MLX runs the same graph on the CPU (Linux, `mlx[cpu]`) or on an Apple GPU (Metal)."""
+    scale sums. MLX runs the same graph on the CPU (Linux, `mlx[cpu]`) or on an Apple GPU (Metal).
+    Mirrors ds4.c: the Metal graph driver (l. 8082-14249) in spirit; the math of the CPU path"""
     name = "mlx"
 
     def __init__(self, device: str | None = None):
@@ -33,7 +34,9 @@ class MlxBackend(NumpyBackend):
         self._signs = mx.array((1 - 2 * bits).astype(np.int32))                   # [128, 8] in {+1, -1}
 
     def resident(self, raw: np.ndarray):
-        """The MLX copy of a weight's raw bytes [rows, row_bytes], made once (the host array is kept alive with it)."""
+        """The MLX copy of a weight's raw bytes [rows, row_bytes], made once (the host array is kept alive with it).
+
+        Mirrors ds4.c: model_open's mmap (l. 1196): weights stay in the file's format"""
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides)
         hit = self._resident.get(key)
         if hit is None:

@@ -17,7 +17,8 @@ def prefer_workqueue_threads() -> str:
     """Pick numba's simple 'workqueue' threading layer unless NUMBA_THREADING_LAYER says otherwise; returns the
     choice. On the 2-vCPU VMs this book is built on, the default OpenMP layer took about 5 ms to wake its
     worker for each parallel region (a 2 MB matvec: 5.4 ms with 2 threads against 0.12 ms with 1), and a
-    decode step has about 60 regions. Takes effect only before the first parallel kernel of the process runs."""
+    decode step has about 60 regions. Takes effect only before the first parallel kernel of the process runs.
+    Mirrors ds4.c: ds4_threads_init (l. 678), ds4.c's own fixed pthread pool"""
     import os
     from numba import config
     if "NUMBA_THREADING_LAYER" not in os.environ:
@@ -132,7 +133,9 @@ def experts_down_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
 
 @njit(parallel=True, cache=True)
 def sink_attention_kernel(q, kv, sinks, allowed, scale, out):
-    """Sink attention of q [H, D] over kv [R, D] (K = V), rows with allowed[r] == 0 skipped; parallel over heads."""
+    """Sink attention of q [H, D] over kv [R, D] (K = V), rows with allowed[r] == 0 skipped; parallel over heads.
+
+    Mirrors ds4.c: layer_attention_rows_one (l. 4969)"""
     H, D = q.shape
     R = kv.shape[0]
     for h in prange(H):
@@ -170,7 +173,8 @@ def _expert_rows(w3) -> int:
 
 class NumbaBackend(_MatvecBackend):
     """Chapter 03's numba matvecs, plus the routed experts of one token in two parallel kernels and the
-    sink attention in one (no Python loop over experts or heads)."""
+    sink attention in one (no Python loop over experts or heads).
+    Mirrors ds4.c: ds4_parallel_for (l. 770): the CPU path's row-parallel workers"""
     name = "numba"
 
     def routed_experts_mid(self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0) -> np.ndarray:
