@@ -16,6 +16,24 @@ class NumpyBackend:
     matvec_q2_K_q8_K = staticmethod(matvec_q2_K_q8_K)
     matvec_q4_K_q8_K = staticmethod(matvec_q4_K_q8_K)
 
+    # Two fused hot paths of later chapters, listed here so that every backend has the whole table:
+    # sink attention over the cache (chapter 5) and the six routed experts (chapter 7). The reference
+    # is that chapter's own function; a faster backend replaces each with one kernel.
+    def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None):
+        """Sink attention of q [n_head, D] over cached rows kv [R, D]; see ds4ref.attention.attention_rows."""
+        from ds4ref.attention import attention_rows
+        return attention_rows(q, kv, sinks, allowed, n_raw)
+
+    def routed_experts_mid(self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0):
+        """mid [k, n_ff] of the selected experts; see ds4ref.moe.routed_experts_mid."""
+        from ds4ref.moe import routed_experts_mid
+        return routed_experts_mid(w_gate3, w_up3, ids, weights, a, clamp, be=self)
+
+    def routed_experts_down(self, w_down3, ids, a):
+        """Unweighted sum of the selected experts' down projections; see ds4ref.moe.routed_experts_down."""
+        from ds4ref.moe import routed_experts_down
+        return routed_experts_down(w_down3, ids, a, be=self)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 

@@ -216,6 +216,33 @@ def test_numba_f16_agrees_with_numpy_to_1e6():
     assert rel(NUMBA.matvec_f16(w, x), NUMPY.matvec_f16(w, x)) <= 1e-6
 
 
+def test_numba_f16_to_f32_is_exact_on_every_bit_pattern():
+    """The kernel's in-register f16 conversion equals numpy's on all 65536 patterns (subnormals, inf, NaN payloads)."""
+    from numba import njit
+
+    from ds4ref.numba_kernels import f16_to_f32
+
+    @njit
+    def convert_all(h, out):
+        for i in range(h.shape[0]):
+            out[i] = f16_to_f32(h[i])
+
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.empty(1 << 16, np.float32)
+    convert_all(h, got)
+    assert np.array_equal(got.view(np.uint32), h.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+def test_numba_f16_matvec_reads_subnormal_and_huge_weights_exactly():
+    """Weights at the ends of the f16 range (subnormals, 65504) against a one-hot x: each output is one weight."""
+    w16 = np.array([[1, 0x03ff, 0x7bff, 0x8001], [0xfbff, 0x0400, 0x3c00, 0x8000]], np.uint16)
+    want = w16.view(np.float16).astype(np.float32)
+    for i in range(4):
+        x = np.zeros(4, np.float32)
+        x[i] = 1.0
+        assert np.array_equal(NUMBA.matvec_f16(w16.view(np.uint8), x), want[:, i])
+
+
 def test_batched_activations_equal_one_token_at_a_time(model, ops_A):
     _, w = model
     x = np.stack([ops_A[f"L1.P{p}.attn_norm"] for p in (1, 2, 64)])       # [3, 256]
