@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4ref.attention import (attention_rows, attention_scores, layer_grouped_out, layer_kv_projection,
-                              layer_q_projection)
+from ds4ref.attention import attention_scores, layer_grouped_out, layer_kv_projection, layer_q_projection
 from ds4ref.backend import NUMPY
 from ds4ref.compressor import compressor_decode_one
 from ds4ref.hc import hc_post, hc_pre
@@ -16,13 +15,14 @@ from ds4ref.quant import fp8_kv_quantize_row
 from ds4ref.rope import rope_tail
 
 
-def attention_mixed(q, raw_rows, comp_rows, comp_allowed, sinks) -> np.ndarray:
+def attention_mixed(q, raw_rows, comp_rows, comp_allowed, sinks, be=NUMPY) -> np.ndarray:
     """Sink attention of q [n_head, hd] over the raw rows, then the compressed rows: heads [n_head, hd].
 
     comp_allowed: bool [n_comp] (the indexer's mask) or None (all rows visible). K = V: each cached row
-    is key and value. Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
+    is key and value. Computed by be.attention_rows (the reference: chapter 05's attention_rows).
+    Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
     rows = np.concatenate([raw_rows, comp_rows])
-    return attention_rows(q, rows, sinks, comp_allowed, n_raw=len(raw_rows))
+    return be.attention_rows(q, rows, sinks, comp_allowed, n_raw=len(raw_rows))
 
 
 def _forced_mask(force, n_comp: int):
@@ -76,7 +76,7 @@ def _attend_cached(cfg, lw, cache, q, kv, a, qr_norm, pos: int, be, tr, force):
     if tr is not _no_trace:
         rows = np.concatenate([cache.raw_rows, cache.comp_rows])
         tr("attn_scores", attention_scores(q, rows, allowed, n_raw=cache.n_raw))
-    heads = attention_mixed(q, cache.raw_rows, cache.comp_rows, allowed, lw.attn_sinks)
+    heads = attention_mixed(q, cache.raw_rows, cache.comp_rows, allowed, lw.attn_sinks, be)
     tr("heads", heads)
     heads = rope_tail(heads, pos, cfg, ratio, inverse=True)
     tr("heads_unrope", heads)

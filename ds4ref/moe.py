@@ -211,10 +211,64 @@ def _sum_slots(down):
     return acc
 
 
+def _check_slots(w3, ids, what):
+    """ids as int array [k], each a valid expert of the 3-D tensor w3."""
+    ids = np.asarray(ids)
+    n_expert = int(w3.shape[-1])
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise MoEError(f"{what}: ids must be a 1-D integer array, got {ids.dtype} {list(ids.shape)}")
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        raise MoEError(f"{what}: expert id outside [0, {n_expert}): {ids.tolist()}")
+    return ids
+
+
+def _experts_gate_up(w_gate3, w_up3, ids, a, be):
+    """gate, up float32 [k, n_ff]: expert ids[s]'s IQ2_XXS gate and up rows on the one Q8_K activation a."""
+    ids = _check_slots(w_gate3, ids, "routed experts")
+    rows = int(w_gate3.shape[1])
+    gate = np.empty((len(ids), rows), np.float32)
+    up = np.empty_like(gate)
+    for s, e in enumerate(ids):                                     # slot order, as ds4.c
+        gate[s], up[s] = be.matvec_iq2_xxs_pair_q8_K(w_gate3.expert(int(e)), w_up3.expert(int(e)), a)
+    return gate, up
+
+
+def _experts_down(w_down3, ids, a, be):
+    """down float32 [k, n_embd]: expert ids[s]'s Q2_K down rows on Q8_K activation row s of a."""
+    ids = _check_slots(w_down3, ids, "routed experts")
+    if np.shape(a.qs)[0] != len(ids):
+        raise MoEError(f"routed_experts_down: {len(ids)} experts but {np.shape(a.qs)[0]} activation rows")
+    return np.stack([be.matvec_q2_K_q8_K(w_down3.expert(int(e)), _q8k_rows(a, s)) for s, e in enumerate(ids)])
+
+
+def routed_experts_mid(w_gate3, w_up3, ids, weights, a, clamp=10.0, be=NUMPY):
+    """mid [k, n_ff] = SwiGLU_clamp(gate_e a, up_e a) * weights[s] for the k selected experts e = ids[s].
+
+    w_gate3, w_up3: the 3-D IQ2_XXS expert tensors; a: Q8KAct of one token (shared by all experts).
+    The reference loops over the experts with be's pair matvec; backends fuse it (be.routed_experts_mid).
+    Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
+    gate, up = _experts_gate_up(w_gate3, w_up3, ids, a, be)
+    w = np.asarray(weights, np.float32).reshape(-1)
+    if w.shape != (len(gate),):
+        raise MoEError(f"routed_experts_mid: {len(gate)} experts but weights of shape {list(np.shape(weights))}")
+    return (swiglu(gate, up, clamp) * w[:, None]).astype(np.float32)
+
+
+def routed_experts_down(w_down3, ids, a, be=NUMPY):
+    """moe [n_embd] = ((d_0 + d_1) + ...) + d_{k-1}, d_s = down_e Q8_K-row s of a (e = ids[s]); no weights.
+
+    w_down3: the 3-D Q2_K expert tensor; a: Q8KAct [k, n_ff], the quantized mid rows.
+    The reference loops over the experts with be's Q2_K matvec; backends fuse it (be.routed_experts_down).
+    Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
+    return _sum_slots(_experts_down(w_down3, ids, a, be))
+
+
 def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=None, force_experts=None):
     """The routed experts for one token: f [n_embd] (ffn-normed) -> moe_out [n_embd].
 
-    Q8_K(f) -> 6 x (IQ2_XXS gate/up, clamped SwiGLU * route weight, Q8_K, Q2_K down) -> sum in slot order.
+    Q8_K(f) -> 6 x (IQ2_XXS gate/up, clamped SwiGLU * route weight, Q8_K, Q2_K down) -> sum in slot order,
+    as two backend calls, be.routed_experts_mid and be.routed_experts_down. A trace also gets the
+    per-expert exp_gate, exp_up and exp_down, computed next to them (the result does not change).
     Mirrors ds4.c: layer_routed_moe_one (l. 5361) / layer_routed_moe_one_prealloc (l. 5459)"""
     f = np.asarray(f, np.float32)
     if f.shape != (cfg.n_embd,):
@@ -224,21 +278,18 @@ def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=None, force_experts=None):
     _emit_quant(trace, "q8k.ffn_gate_up_exps", xq)
     sel, weights = select_experts(cfg, lw, f, token, be, trace, force_experts)
 
-    gate = np.empty((len(sel), cfg.n_ff_exp), np.float32)
-    up = np.empty_like(gate)
-    for i, e in enumerate(sel):                                     # slot order, as ds4.c
-        gate[i], up[i] = be.matvec_iq2_xxs_pair_q8_K(gate_w.expert(int(e)), up_w.expert(int(e)), xq)
-    mid = (swiglu(gate, up, cfg.swiglu_clamp) * weights[:, None]).astype(np.float32)
-    midq = quantize_q8_K(mid)                                       # one Q8_K row per slot
-    down = np.stack([be.matvec_q2_K_q8_K(down_w.expert(int(e)), _q8k_rows(midq, i)) for i, e in enumerate(sel)])
-    moe = _sum_slots(down)
+    mid = be.routed_experts_mid(gate_w, up_w, sel, weights, xq, cfg.swiglu_clamp)   # [6, n_ff]
+    midq = quantize_q8_K(mid)                                                      # one Q8_K row per slot
+    moe = be.routed_experts_down(down_w, sel, midq)                               # [n_embd]
 
-    _emit(trace, "exp_gate", gate)
-    _emit(trace, "exp_up", up)
-    _emit(trace, "exp_mid", mid)
-    _emit_quant(trace, "q8k.ffn_down_exps", midq)
-    _emit(trace, "exp_down", down)
-    _emit(trace, "moe_out", moe)
+    if trace is not None:                       # the per-expert vectors, for the record only
+        gate, up = _experts_gate_up(gate_w, up_w, sel, xq, be)
+        _emit(trace, "exp_gate", gate)
+        _emit(trace, "exp_up", up)
+        _emit(trace, "exp_mid", mid)
+        _emit_quant(trace, "q8k.ffn_down_exps", midq)
+        _emit(trace, "exp_down", _experts_down(down_w, sel, midq, be))
+        _emit(trace, "moe_out", moe)
     return moe
 
 

@@ -94,7 +94,7 @@ def f16_kernel(w16, x, lut, out):
 
 @njit(parallel=True, cache=True)
 def q2_K_kernel(w, yq, yd, ybs, lut, out):
-    """Q2_K rows uint8 [rows, nb*84] times Q8_K activations [T, nb*256]; out float32 [T, rows].
+    """Q2_K rows uint8 [rows, nb*84] times Q8_K activations (yq int8 or int16 [T, nb*256]); out float32 [T, rows].
 
     isum is summed as sum_e (sc_g(e) q_e) y_e, which is the same int32 as ds4's sum_g sc_g (sum_e q_e y_e);
     sc_g q_e <= 45 is formed in 16 bits, from a per-row int16 copy of the block's 16 scales.
@@ -243,7 +243,8 @@ class NumbaBackend(NumpyBackend):
         raw = _rows(w, 10)
         (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, 10))
         out = _out(len(yq), raw.shape[0])
-        run_kernel(q2_K_kernel, raw, yq, yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
+        # the int8 activation, widened to int16 once for all rows: the kernel then reads it without widening
+        run_kernel(q2_K_kernel, raw, yq.astype(np.int16), yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
         return out.reshape(lead + (raw.shape[0],))
 
     @staticmethod

@@ -318,6 +318,8 @@ kmask_iq2xs = (1 << np.arange(8)).astype(np.uint8)    # ds4.c l. 221: single-bit
 ksigns_iq2xs = np.array([i | (bin(i).count("1") & 1) << 7 for i in range(128)], dtype=np.uint8)
 # iq2xxs_signs[s, k] = -1 if bit k of ksigns_iq2xs[s] is set, else +1   [128, 8]
 iq2xxs_signs = np.where(ksigns_iq2xs[:, None] & kmask_iq2xs, -1, 1).astype(np.int8)
+# iq2xxs_signed_grid[a, s] = iq2xxs_signs[s] * iq2xxs_grid[a]: every signed 8-vector, int8 [256, 128, 8] (l. 303)
+iq2xxs_signed_grid = (iq2xxs_signs[None, :, :] * iq2xxs_grid[:, None, :].astype(np.int8)).astype(np.int8)
 
 
 def unpack_iq2_xxs_indices(raw):
@@ -330,9 +332,17 @@ def unpack_iq2_xxs_indices(raw):
     b = _blocks(raw, IQ2_XXS)
     words = b["qs"].view("<u4").reshape(*b.shape, 8, 2)          # [.., nb, group, (indices, signs+scale)]
     grid_idx = words[..., 0:1].view(np.uint8).reshape(*b.shape, 32)
-    aux = words[..., 1]                                            # [.., nb, 8]
-    sign_idx = ((aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127).astype(np.uint8)
-    return _f16(b["d"]), grid_idx, sign_idx.reshape(*b.shape, 32), (aux >> 28).astype(np.uint8)
+    aux = np.ascontiguousarray(words[..., 1])                      # [.., nb, 8]
+    sign_idx = np.empty(aux.shape + (4,), np.uint8)
+    for l in range(4):                                             # the l-th eight of each group
+        sign_idx[..., l] = (aux >> np.uint32(7 * l)) & np.uint32(127)
+    return _f16(b["d"]), grid_idx, sign_idx.reshape(*b.shape, 32), (aux >> np.uint32(28)).astype(np.uint8)
+
+
+def _gather8(table, idx):
+    """table [m, 8] of bytes, idx [...] -> table[idx] as [..., 8]: one 8-byte (uint64) gather per index."""
+    rows = np.ascontiguousarray(table).view("<u8").reshape(-1)     # each 8-byte row as one uint64
+    return rows[idx].view(table.dtype).reshape(*idx.shape, 8)
 
 
 def unpack_iq2_xxs(raw):
@@ -344,14 +354,27 @@ def unpack_iq2_xxs(raw):
     """
     d, grid_idx, sign_idx, scales = unpack_iq2_xxs_indices(raw)
     lead = grid_idx.shape[:-1]
-    return d, iq2xxs_grid[grid_idx].reshape(*lead, QK_K), iq2xxs_signs[sign_idx].reshape(*lead, QK_K), scales
+    return (d, _gather8(iq2xxs_grid, grid_idx).reshape(*lead, QK_K),
+            _gather8(iq2xxs_signs, sign_idx).reshape(*lead, QK_K), scales)
+
+
+def unpack_iq2_xxs_signed(raw):
+    """IQ2_XXS raw [..., row_bytes] -> (d, vals, scales): vals int8 [..., nb, 256] = signs * grid in +-{8, 25, 43}.
+
+    One lookup per 8 weights in iq2xxs_signed_grid[grid_idx, sign_idx]; d, scales as in unpack_iq2_xxs.
+    Mirrors ds4.c: iq2xxs_signed_grid (l. 303), read by ds4_vec_dot_iq2_xxs_q8_K (l. 1889)
+    """
+    d, grid_idx, sign_idx, scales = unpack_iq2_xxs_indices(raw)
+    flat = iq2xxs_signed_grid.reshape(256 * 128, 8)                # row a*128 + s
+    vals = _gather8(flat, grid_idx.astype(np.intp) * 128 + sign_idx)
+    return d, vals.reshape(*grid_idx.shape[:-1], QK_K), scales
 
 
 def _dequantize_iq2_xxs(raw) -> np.ndarray:
     """IQ2_XXS raw [..., row_bytes] -> float32 [..., nb, 8, 32]: w = d * (2S+1)/8 * sign * grid."""
-    d, grid, signs, scales = unpack_iq2_xxs(raw)
+    d, vals, scales = unpack_iq2_xxs_signed(raw)
     dg = d[..., None] * (2 * scales.astype(np.float32) + 1) * np.float32(0.125)  # [.., nb, 8] group scale
-    return dg[..., None] * (signs * grid.astype(np.float32)).reshape(*grid.shape[:-1], 8, 32)
+    return dg[..., None] * vals.astype(np.float32).reshape(*vals.shape[:-1], 8, 32)
 
 
 def dequantize(raw, ggml_type) -> np.ndarray:

@@ -98,6 +98,7 @@ extern "C" __global__ void sink_attention(
 // Softmax pooling of a compressor window, one thread per output dim j.
 // ratio 4 (two overlapping lanes): rows 0..3 give column j (previous window), rows 4..7 column hd + j
 // (current window), one softmax over those 8 scores; ratio 128: one lane, softmax over 128 rows.
+// The sums run in ds4.c's order (ratio 4: row r of the previous window, then row r of the current one).
 // An all-masked window (max score <= -5e29) pools to 0.
 // Mirrors ds4.c: compressor_pool_decode_state (l. 6459).
 extern "C" __global__ void compressor_pool(
@@ -105,24 +106,30 @@ extern "C" __global__ void compressor_pool(
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= head_dim) return;
     const int two = ratio == 4;
-    const int width = (two ? 2 : 1) * head_dim;
-    const int n = two ? 2 * ratio : ratio;
+    const long long width = (two ? 2 : 1) * (long long)head_dim;
+    // row r of the previous window (or the only one), and row r of the current window (ratio 4)
+    #define PREV(a, r) a[(long long)(r) * width + j]
+    #define CUR(a, r)  a[(long long)(ratio + (r)) * width + head_dim + j]
     float m = -1.0e30f;
-    for (int k = 0; k < n; k++) {
-        const long long at = two ? (k < ratio ? (long long)k * width + j
-                                              : (long long)k * width + head_dim + j)
-                                 : (long long)k * width + j;
-        m = fmaxf(m, state_score[at]);
+    for (int r = 0; r < ratio; r++) {
+        m = fmaxf(m, PREV(state_score, r));
+        if (two) m = fmaxf(m, CUR(state_score, r));
     }
     if (m <= -0.5e30f) { out[j] = 0.0f; return; }
     float denom = 0.0f, sum = 0.0f;
-    for (int k = 0; k < n; k++) {
-        const long long at = two ? (k < ratio ? (long long)k * width + j
-                                              : (long long)k * width + head_dim + j)
-                                 : (long long)k * width + j;
-        const float wgt = expf(state_score[at] - m);
-        denom += wgt;
-        sum += wgt * state_kv[at];
+    for (int r = 0; r < ratio; r++) {
+        const float wp = expf(PREV(state_score, r) - m);
+        if (two) {
+            const float wc = expf(CUR(state_score, r) - m);
+            denom += wp + wc;
+            sum += wp * PREV(state_kv, r);
+            sum += wc * CUR(state_kv, r);
+        } else {
+            denom += wp;
+            sum += wp * PREV(state_kv, r);
+        }
     }
+    #undef PREV
+    #undef CUR
     out[j] = denom > 0.0f ? sum / denom : 0.0f;
 }

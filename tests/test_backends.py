@@ -332,6 +332,7 @@ def test_cupy_matvecs_match_ds4c_oracle(cupy_be, model, ops_A):
 def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
     from ds4ref.rope import rope_tail
     _, cfg, W = model
+    pooled_checks = 0
     for il in LAYERS:
         L = W.layers[il]
         for p in POSITIONS:
@@ -349,6 +350,8 @@ def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
                 ratio = cfg.compress_ratio(il)
                 pooled = cupy_be.compressor_pool(ops_A[K + "comp_state_kv"], ops_A[K + "comp_state_score"], cfg.head_dim, ratio)
                 assert rel(pooled, ops_A[K + "comp_pooled"]) <= TOL
+                pooled_checks += 1
+    assert pooled_checks >= 3                     # ratio-4 windows close at positions 67, 131 and 299
 
 
 @pytest.mark.gpu
@@ -369,8 +372,9 @@ class _FakeKernel:
     def __call__(self, grid, block, args, shared_mem=0):
         assert len(args) == len(self.params), (self.name, len(args), self.params)
         for arg, param in zip(args, self.params):
-            if "*" in param:
-                assert isinstance(arg, np.ndarray) or (isinstance(arg, np.uint64) and arg == 0), (self.name, param, arg)
+            if "*" in param:       # a device array, C-contiguous (the kernels index raw pointers), or a null pointer
+                assert (isinstance(arg, np.ndarray) and arg.flags.c_contiguous) or (isinstance(arg, np.uint64) and arg == 0), \
+                    (self.name, param, type(arg), getattr(arg, "flags", None))
             elif param.split()[-2:-1] == ["long"] or param.startswith("long long"):
                 assert isinstance(arg, np.int64), (self.name, param, type(arg))
             elif param.split()[0] == "int":
@@ -401,7 +405,7 @@ def fake_cupy(monkeypatch):
     launches = []
     cp = types.ModuleType("cupy")
     cp.float32, cp.int8 = np.float32, np.int8
-    cp.asarray = lambda a, dtype=None: np.ascontiguousarray(a, dtype=dtype)
+    cp.asarray = lambda a, dtype=None: np.asarray(a, dtype=dtype)      # like CuPy: keeps a Fortran order
     cp.empty = lambda shape, dtype=np.float32: np.zeros(shape, dtype)
     cp.asnumpy = np.asarray
     cp.RawModule = lambda code, options=(): _FakeModule(code, options, launches)
@@ -432,6 +436,36 @@ def test_cupy_glue_launches_every_kernel_with_the_signature_of_its_source(fake_c
     assert be.attention_rows(ops_A[K + "q_rope"], rows, L.attn_sinks, allowed, n_raw).shape == (cfg.n_head, cfg.head_dim)
     assert be.compressor_pool(ops_A[K + "comp_state_kv"], ops_A[K + "comp_state_score"], cfg.head_dim, 4).shape == (cfg.head_dim,)
     assert set(fake_cupy) == set(KERNEL_NAMES)
+    # transposed (Fortran-order) host arrays still reach the kernels C-contiguous
+    assert be.matvec_f16(L.ffn_gate_inp, np.asfortranarray(np.ones((3, cfg.n_embd), np.float32))).shape == (3, cfg.n_expert)
+    assert be.attention_rows(np.asfortranarray(ops_A[K + "q_rope"]), np.asfortranarray(rows), L.attn_sinks, allowed,
+                             n_raw).shape == (cfg.n_head, cfg.head_dim)
     assert be.resident_bytes() > 0
     be.release()
     assert be.resident_bytes() == 0
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS + ["cupy (stand-in)"])
+def test_bad_expert_ids_and_attention_shapes_raise_before_any_kernel_runs(name, model, ops_A, request):
+    """The kernels index weight memory with the expert ids and trust q/kv/sinks sizes: bad ones must raise a named
+    error, never read past a tensor."""
+    if name.startswith("cupy"):
+        request.getfixturevalue("fake_cupy")
+        from ds4ref.backends.cupy_backend import CupyBackend
+        be = CupyBackend()
+    else:
+        be = get_backend(name)
+    _, cfg, W = model
+    L, K = W.layers[4], "L4.P131."
+    a = q8k(ops_A, K + "q8k.ffn_gate_up_exps")
+    wts = ops_A[K + "exp_weights"]
+    for bad in ([0, 1, 2, 3, 4, cfg.n_expert], [-1, 0, 1, 2, 3, 4], []):
+        with pytest.raises(MatvecError, match="expert ids"):
+            be.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, np.array(bad, np.int32), wts[:len(bad)], a)
+        with pytest.raises(MatvecError, match="expert ids"):
+            be.routed_experts_down(L.ffn_down_exps, np.array(bad, np.int32), q8k(ops_A, K + "q8k.ffn_down_exps"))
+    q, rows = ops_A[K + "q_rope"], ops_A[K + "cache_raw"]
+    with pytest.raises(ValueError, match="attention"):
+        be.attention_rows(q, rows[:, :-1], L.attn_sinks)                       # kv rows narrower than the heads
+    with pytest.raises(ValueError, match="attention"):
+        be.attention_rows(q, rows, np.zeros(cfg.n_head - 1, np.float32))       # one sink short

@@ -422,6 +422,52 @@ def test_dense_and_ratio128_layers_decode_equals_prefill(model):
         assert c1.n_raw == 20 and c1.n_comp == 0
 
 
+
+def test_decode_attention_goes_through_the_backend(model, ops):
+    """Every decoded (and prefilled) token's mixed attention is one be.attention_rows call with the cache's rows;
+    a backend's fused kernel (numba) gives ds4.c's heads and keeps decode == prefill."""
+    from ds4ref.backend import NumpyBackend
+    from ds4ref.backends import get_backend
+    cfg, w = model
+
+    class Spy(NumpyBackend):
+        def __init__(self):
+            self.calls = []
+
+        def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None):
+            self.calls.append((np.shape(q), len(kv), n_raw, None if allowed is None else int(np.sum(allowed))))
+            return super().attention_rows(q, kv, sinks, allowed, n_raw)
+
+    rng = np.random.default_rng(3)
+    Xs = rng.standard_normal((72, cfg.n_hc, cfg.n_embd)).astype(np.float32)
+    spy, c1, c2 = Spy(), LayerCache(cfg, 2, 1024), LayerCache(cfg, 2, 1024)
+    Y1 = np.stack([layer_attention_one(cfg, w.layers[2], c1, Xs[t], t) for t in range(72)])
+    Y2 = np.stack([layer_attention_one(cfg, w.layers[2], c2, Xs[t], t, be=spy) for t in range(72)])
+    np.testing.assert_array_equal(Y1, Y2)
+    assert len(spy.calls) == 72 and all(c[0] == (cfg.n_head, cfg.head_dim) for c in spy.calls)
+    assert spy.calls[0][1:] == (1, 1, None) and spy.calls[9][1:] == (12, 10, 2)   # 10 raw rows + 2 compressed, both visible
+    assert spy.calls[71][1:] == (72 + 18, 72, cfg.indexer_top_k)                 # indexer on: top_k of 18 visible
+    first = spy.calls[:5]
+    spy.calls.clear()
+    layer_attention_batch(cfg, w.layers[2], LayerCache(cfg, 2, 1024), Xs[:5], 0, be=spy)
+    assert spy.calls == first                                                    # token by token, as decode
+    # numba's sink-attention kernel: ds4.c's heads on ops_A, and decode == prefill on the whole sub-layer
+    nb = get_backend("numba")
+    worst = 0.0
+    for il in range(cfg.n_layer):
+        for p in (4, 67, 299):
+            k = f"L{il}.P{p}."
+            comp = ops.get(k + "cache_comp", np.zeros((0, cfg.head_dim), np.float32))
+            allowed = ops[k + "comp_allowed"].astype(bool) if k + "comp_allowed" in ops else None
+            heads = attention_mixed(ops[k + "q_rope"], ops[k + "cache_raw"], comp, allowed, w.layers[il].attn_sinks, nb)
+            worst = max(worst, rel(heads, ops[k + "heads"]))
+    assert worst <= 1e-5, worst
+    c3, c4 = LayerCache(cfg, 2, 1024), LayerCache(cfg, 2, 1024)
+    Yn = np.stack([layer_attention_one(cfg, w.layers[2], c3, Xs[t], t, be=nb) for t in range(72)])
+    np.testing.assert_array_equal(layer_attention_batch(cfg, w.layers[2], c4, Xs, 0, be=nb), Yn)
+    assert rel(Yn, Y1) <= 1e-2, rel(Yn, Y1)      # float-order differences, amplified by F16/E4M3/int8 roundings (3e-3)
+
+
 # ---------------------------------------------------------------- sizes, snapshots, errors
 
 def test_kv_cache_bytes_formula_matches_a_live_cache(model):

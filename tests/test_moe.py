@@ -13,9 +13,9 @@ import pytest
 
 from ds4ref.backend import NUMPY
 from ds4ref.hc import hc_post
-from ds4ref.moe import (MoEError, _hc_ffn_pre, hash_selected_experts, layer_ffn_batch, layer_ffn_one,
-                        routed_moe_batch, routed_moe_one, router_probs, router_weights, silu,
-                        softplus_stable, swiglu, topk_selected_experts)
+from ds4ref.moe import (MoEError, _hc_ffn_pre, _sum_slots, hash_selected_experts, layer_ffn_batch, layer_ffn_one,
+                        routed_experts_down, routed_experts_mid, routed_moe_batch, routed_moe_one, router_probs,
+                        router_weights, silu, softplus_stable, swiglu, topk_selected_experts)
 from ds4ref.norms import rms_norm_weight
 from ds4ref.quant import Q8Act, Q8KAct, dequantize, quantize_q8_0, quantize_q8_K
 from ds4ref.weights import load_model
@@ -299,9 +299,8 @@ def test_only_selected_experts_bytes_are_read(model, ops_A, positions):
     for il in (0, 3):
         lw = counting_layer(W.layers[il])
         p = positions[5]
-        rec = Recorder()
-        routed_moe_one(cfg, lw, ops_A[f"L{il}.P{p}.ffn_norm"], token_at(ops_A, p), trace=rec)
-        sel = list(rec["exp_ids"])
+        routed_moe_one(cfg, lw, ops_A[f"L{il}.P{p}.ffn_norm"], token_at(ops_A, p))       # the hot path
+        sel = list(ops_A[f"L{il}.P{p}.exp_ids"])
         for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             t = getattr(lw, n)
             assert [e for e, _ in t.reads] == sel, n                       # slot order, once each, never ALL
@@ -379,7 +378,7 @@ def test_expert_matvecs_are_routed_through_the_backend(model, ops_A):
             self.calls = Counter()
 
         def __getattribute__(self, name):
-            if name.startswith("matvec_"):
+            if name.startswith(("matvec_", "routed_experts_")):
                 object.__getattribute__(self, "calls")[name] += 1
             return object.__getattribute__(self, name)
 
@@ -390,7 +389,73 @@ def test_expert_matvecs_are_routed_through_the_backend(model, ops_A):
     assert be.calls["matvec_iq2_xxs_pair_q8_K"] == 6 and be.calls["matvec_q2_K_q8_K"] == 6
     assert be.calls["matvec_q8_0_prequant"] == 2 and be.calls["matvec_q8_0"] == 1     # shared gate/up, down
     assert be.calls["matvec_f16"] >= 1                                                   # router (and HC mix)
+    assert be.calls["routed_experts_mid"] == 1 and be.calls["routed_experts_down"] == 1  # the two fused calls
     be.calls.clear()
     Xs = np.stack([ops_A[f"L3.P{p}.after_attn_hc"] for p in (1, 2, 3)])
     layer_ffn_batch(cfg, W.layers[3], Xs, [token_at(ops_A, p) for p in (1, 2, 3)], be=be)
     assert be.calls["matvec_iq2_xxs_pair_q8_K"] == be.calls["matvec_q2_K_q8_K"] <= 3 * 6   # once per active expert
+
+
+# ---------------------------------------------------------------- the two fused backend calls of the decode path
+def test_routed_experts_mid_and_down_match_ds4c(model, ops_A, positions):
+    """The reference fused ops on ds4.c's recorded inputs: mid within 1e-5 and the same Q8_K bytes; the
+    down sum bit-equal to the per-expert matvecs summed in slot order, and within 1e-5 of moe_out."""
+    cfg, W = model
+    for il in LAYERS:
+        lw = W.layers[il]
+        for p in positions:
+            pre = f"L{il}.P{p}."
+            ids, wts = ops_A[pre + "exp_ids"], ops_A[pre + "exp_weights"]
+            mid = routed_experts_mid(lw.ffn_gate_exps, lw.ffn_up_exps, ids, wts, q8k(ops_A, pre, "q8k.ffn_gate_up_exps"),
+                                     cfg.swiglu_clamp)
+            assert mid.shape == (6, cfg.n_ff_exp) and mid.dtype == np.float32
+            assert rel_err(mid, ops_A[pre + "exp_mid"]) < REL, pre
+            qs = quantize_q8_K(mid).qs.astype(int)
+            assert np.abs(qs - ops_A[pre + "q8k.ffn_down_exps.qs"]).max() <= 1, pre
+            midq = q8k(ops_A, pre, "q8k.ffn_down_exps")
+            moe = routed_experts_down(lw.ffn_down_exps, ids, midq)
+            per = [NUMPY.matvec_q2_K_q8_K(lw.ffn_down_exps.expert(int(e)), q8k(ops_A, pre, "q8k.ffn_down_exps", s))
+                   for s, e in enumerate(ids)]
+            assert np.array_equal(moe, _sum_slots(np.stack(per))), pre
+            assert rel_err(moe, ops_A[pre + "moe_out"]) < REL, pre
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_tracing_does_not_change_moe_out(backend, model, ops_A, positions):
+    """routed_moe_one with and without a trace: the same moe_out bit for bit, on the reference and on numba's
+    fused kernels; the traced exp_down sum to it in slot order and exp_mid is what went into the down."""
+    from ds4ref.backends import get_backend
+    be = NUMPY if backend == "numpy" else get_backend(backend)
+    cfg, W = model
+    for il in LAYERS:
+        for p in positions:
+            pre = f"L{il}.P{p}."
+            f, tok = ops_A[pre + "ffn_norm"], token_at(ops_A, p)
+            fast = routed_moe_one(cfg, W.layers[il], f, tok, be=be)
+            rec = Recorder()
+            traced = routed_moe_one(cfg, W.layers[il], f, tok, be=be, trace=rec)
+            assert np.array_equal(fast, traced), pre
+            assert np.array_equal(rec["moe_out"], fast) and np.array_equal(_sum_slots(rec["exp_down"]), fast), pre
+            assert np.array_equal(quantize_q8_K(rec["exp_mid"]).qs, rec["q8k.ffn_down_exps.qs"])
+            assert rel_err(fast, ops_A[pre + "moe_out"]) < REL, pre
+            # the record: per-expert gate/up as ds4.c's, and mid = SwiGLU(gate, up) * w up to a backend's SiLU ulp
+            assert rel_err(rec["exp_gate"], ops_A[pre + "exp_gate"]) < REL and rel_err(rec["exp_up"], ops_A[pre + "exp_up"]) < REL
+            again = swiglu(rec["exp_gate"], rec["exp_up"], cfg.swiglu_clamp) * rec["exp_weights"][:, None]
+            assert rel_err(rec["exp_mid"], again) < 1e-6, pre
+
+
+def test_fused_expert_ops_reject_bad_input(model, ops_A):
+    cfg, W = model
+    lw, pre = W.layers[3], "L3.P4."
+    a = q8k(ops_A, pre, "q8k.ffn_gate_up_exps")
+    w = ops_A[pre + "exp_weights"]
+    with pytest.raises(MoEError, match="expert id outside"):
+        routed_experts_mid(lw.ffn_gate_exps, lw.ffn_up_exps, [1, 2, 3, 4, 5, cfg.n_expert], w, a)
+    with pytest.raises(MoEError, match="1-D integer"):
+        routed_experts_mid(lw.ffn_gate_exps, lw.ffn_up_exps, np.ones(6, np.float32), w, a)
+    with pytest.raises(MoEError, match="weights of shape"):
+        routed_experts_mid(lw.ffn_gate_exps, lw.ffn_up_exps, [1, 2, 3, 4, 5, 6], w[:5], a)
+    with pytest.raises(MoEError, match="activation rows"):
+        routed_experts_down(lw.ffn_down_exps, [1, 2, 3], q8k(ops_A, pre, "q8k.ffn_down_exps"))
+    with pytest.raises(MoEError, match="expert id outside"):
+        routed_experts_down(lw.ffn_down_exps, [-1] * 6, q8k(ops_A, pre, "q8k.ffn_down_exps"))

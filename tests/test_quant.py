@@ -397,6 +397,30 @@ def test_iq2_xxs_index_fields_expand_to_grid_and_signs():
     assert np.array_equal(signs.reshape(4, 5, 32, 8), Q.iq2xxs_signs[si])
 
 
+
+def test_iq2_xxs_signed_grid_lookup_equals_grid_times_signs():
+    """iq2xxs_signed_grid[a, s, k] = -grid[a, k] if bit k of ksigns[s] else grid[a, k] (ds4.c l. 307), and
+    unpack_iq2_xxs_signed's one lookup per 8 weights equals a byte-by-byte decode of the block."""
+    T = Q.iq2xxs_signed_grid
+    assert T.shape == (256, 128, 8) and T.dtype == np.int8
+    for a, s in [(0, 0), (7, 1), (255, 127), (100, 64), (31, 99)]:
+        want = [(-1 if (Q.ksigns_iq2xs[s] >> k) & 1 else 1) * int(Q.iq2xxs_grid[a, k]) for k in range(8)]
+        assert T[a, s].tolist() == want
+    raw = random_blocks(Q.IQ2_XXS, 12, 5).reshape(3, -1)
+    d, vals, sc = Q.unpack_iq2_xxs_signed(raw)
+    d2, grid, signs, sc2 = Q.unpack_iq2_xxs(raw)
+    assert vals.shape == (3, 4, 256) and vals.dtype == np.int8
+    assert np.array_equal(vals, grid.astype(np.int16) * signs) and np.array_equal(d, d2) and np.array_equal(sc, sc2)
+    blk = raw[1, 66:132]                                   # block 1 of row 1, decoded byte by byte
+    for grp in range(8):
+        w0 = int.from_bytes(bytes(blk[2 + 8 * grp:6 + 8 * grp]), "little")
+        w1 = int.from_bytes(bytes(blk[6 + 8 * grp:10 + 8 * grp]), "little")
+        assert sc[1, 1, grp] == w1 >> 28
+        for l in range(4):
+            a, s = (w0 >> 8 * l) & 255, (w1 >> 7 * l) & 127
+            assert vals[1, 1, 32 * grp + 8 * l:32 * grp + 8 * l + 8].tolist() == T[a, s].tolist()
+    assert Q.unpack_iq2_xxs_signed(np.zeros((2, 0), np.uint8))[1].shape == (2, 0, 256)
+
 finite_f32 = st.floats(min_value=-2.0**100, max_value=2.0**100, allow_nan=False, width=32)
 
 

@@ -115,6 +115,29 @@ def row_mask(n_rows: int, allowed=None, n_raw=None) -> np.ndarray:
     return mask
 
 
+def expert_ids(ids, w3) -> np.ndarray:
+    """The selected expert ids as int32 [k], checked against the 3-D expert tensor w3 (GGUF shape [in, out, n_expert]):
+    a kernel indexes weight memory with them, so an id out of range must fail here, not read past the tensor.
+    Mirrors ds4.c: layer_routed_moe_one's expert offsets (l. 5361), ids from the router (always in range there)"""
+    from ds4ref.matvec import MatvecError
+    shape = getattr(w3, "shape", None)
+    if shape is None or len(shape) != 3:
+        raise MatvecError(f"{getattr(w3, 'name', 'weight')!r}: expected a 3-D expert tensor, got shape {shape}")
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size == 0 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= shape[2]:
+        raise MatvecError(f"{getattr(w3, 'name', 'weight')!r}: expert ids {ids.tolist()} must be integers in [0, {shape[2]})")
+    return ids.astype(np.int32)
+
+
+def check_attention_args(q: np.ndarray, kv: np.ndarray, sinks: np.ndarray) -> None:
+    """ValueError unless q [n_head, D], kv [R, D] and sinks [n_head] fit together (a kernel trusts these sizes).
+
+    Mirrors ds4.c: nothing (ds4.c's shapes are compile-time constants)"""
+    if kv.shape[1] != q.shape[1] or sinks.shape != (q.shape[0],):
+        raise ValueError(f"attention: q {q.shape}, kv {kv.shape} and sinks {sinks.shape} do not fit "
+                         "(expected [n_head, D], [R, D], [n_head])")
+
+
 def available_backends() -> dict[str, str]:
     """{name: why} for every backend this machine can run.
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from ds4ref.attention import attention_rows as attention_rows_reference
 from ds4ref.backend import NumpyBackend
-from ds4ref.backends import f32_of, row_mask
+from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid, quantize_q8_0
 
@@ -74,6 +74,12 @@ class CupyBackend(NumpyBackend):
         self._grid = cp.asarray(np.ascontiguousarray(iq2xxs_grid, dtype=np.uint8).reshape(-1))
 
     # -- memory ---------------------------------------------------------------------------------------------------
+    def up(self, a, dtype=None):
+        """A C-contiguous device copy of a host array: the kernels index raw pointers, so strides must be plain.
+
+        Mirrors ds4.c: nothing (host-to-device copy)"""
+        return self.cp.asarray(np.ascontiguousarray(a, dtype=dtype))
+
     def resident(self, raw: np.ndarray):
         """The device copy of a weight's raw bytes, uploaded on first use (the host array is kept alive with it).
 
@@ -81,7 +87,7 @@ class CupyBackend(NumpyBackend):
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides)
         hit = self._resident.get(key)
         if hit is None:
-            hit = (raw, self.cp.asarray(np.ascontiguousarray(raw)))
+            hit = (raw, self.up(raw))
             self._resident[key] = hit
         return hit[1]
 
@@ -121,7 +127,7 @@ class CupyBackend(NumpyBackend):
         y = cp.empty((T, rows), cp.float32)
         self._launch_rows(self.k["matvec_q8_0_q8_0"], rows, T,
                           (self.resident(raw), np.int64(raw.shape[1]), np.int32(rows), np.int32(n // 32),
-                           cp.asarray(qs.reshape(T, n)), cp.asarray(d.reshape(T, -1)), y))
+                           self.up(qs.reshape(T, n)), self.up(d.reshape(T, -1)), y))
         return cp.asnumpy(y).reshape(lead + (rows,))
 
     def matvec_q8_0(self, w, x) -> np.ndarray:
@@ -139,7 +145,7 @@ class CupyBackend(NumpyBackend):
         lead, T = _lead(x)
         y = cp.empty((T, rows), cp.float32)
         self._launch_rows(self.k["matvec_f16_f32"], rows, T,
-                          (self.resident(raw), np.int32(rows), np.int32(n), cp.asarray(x.reshape(T, n)), y))
+                          (self.resident(raw), np.int32(rows), np.int32(n), self.up(x.reshape(T, n)), y))
         return cp.asnumpy(y).reshape(lead + (rows,))
 
     def _q8_K(self, a, n: int, slots: int | None = None):
@@ -150,7 +156,7 @@ class CupyBackend(NumpyBackend):
         lead, T = _lead(qs)
         d = np.asarray(a.d, np.float32).reshape(T, n // 256)
         bs = np.asarray(a.bsums, np.int16).reshape(T, n // 16)
-        return lead, T, cp.asarray(qs.reshape(T, n)), cp.asarray(d), cp.asarray(bs)
+        return lead, T, self.up(qs.reshape(T, n)), self.up(d), self.up(bs)
 
     def matvec_iq2_xxs_pair_q8_K(self, w_gate, w_up, a):
         """(W_gate x, W_up x) for two IQ2_XXS weights against one Q8_K activation; two float32 [..., rows].
@@ -192,9 +198,11 @@ class CupyBackend(NumpyBackend):
 
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
         cp = self.cp
+        ids = expert_ids(ids, w_gate3)
         g_all, u_all = weight_rows(w_gate3, 16), weight_rows(w_up3, 16)     # [n_expert * rows, row_bytes]
-        ids = np.asarray(ids, np.int32).reshape(-1)
-        rows = _expert_rows(w_gate3, g_all)
+        if g_all.shape != u_all.shape:
+            raise MatvecError(f"IQ2_XXS experts: gate {g_all.shape} and up {u_all.shape} do not match")
+        rows = int(w_gate3.shape[1])
         n = row_elements(g_all, 16)
         _, _, yq, yd, _ = self._q8_K(a, n)
         k = len(ids)
@@ -202,7 +210,7 @@ class CupyBackend(NumpyBackend):
         u = cp.empty((k, rows), cp.float32)
         self._launch_rows(self.k["matvec_iq2_xxs_pair_q8_K"], rows, k,
                           (self.resident(g_all), self.resident(u_all), np.int64(g_all.shape[1]),
-                           np.int64(rows * g_all.shape[1]), cp.asarray(ids), np.int32(rows), np.int32(n // 256),
+                           np.int64(rows * g_all.shape[1]), self.up(ids), np.int32(rows), np.int32(n // 256),
                            self._grid, yq, yd, np.int32(1), g, u))
         return cp.asnumpy(g), cp.asnumpy(u)
 
@@ -211,9 +219,9 @@ class CupyBackend(NumpyBackend):
 
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034) before its sum over slots."""
         cp = self.cp
+        ids = expert_ids(ids, w_down3)
         w_all = weight_rows(w_down3, 10)
-        ids = np.asarray(ids, np.int32).reshape(-1)
-        rows = _expert_rows(w_down3, w_all)
+        rows = int(w_down3.shape[1])
         n = row_elements(w_all, 10)
         _, T, yq, yd, bs = self._q8_K(a, n)
         if T != len(ids):
@@ -221,15 +229,18 @@ class CupyBackend(NumpyBackend):
         y = cp.empty((T, rows), cp.float32)
         self._launch_rows(self.k["matvec_q2_K_q8_K"], rows, T,
                           (self.resident(w_all), np.int64(w_all.shape[1]), np.int64(rows * w_all.shape[1]),
-                           cp.asarray(ids), np.int32(rows), np.int32(n // 256), yq, yd, bs, np.int32(0), y))
+                           self.up(ids), np.int32(rows), np.int32(n // 256), yq, yd, bs, np.int32(0), y))
         return cp.asnumpy(y)
 
     def routed_experts_mid(self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0) -> np.ndarray:
         """mid [k, n_ff] of the selected experts: one pair launch, then clamp, SiLU and the route weight on the host.
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
         from ds4ref.moe import swiglu
+        weights = np.asarray(weights, np.float32).reshape(-1)
+        if weights.size != np.asarray(ids).size:
+            raise ValueError(f"routed experts: {weights.size} route weights for {np.asarray(ids).size} expert ids")
         g, u = self.experts_pair_q8_K(w_gate3, w_up3, ids, a)
-        return (swiglu(g, u, clamp) * np.asarray(weights, np.float32)[:, None]).astype(np.float32)
+        return (swiglu(g, u, clamp) * weights[:, None]).astype(np.float32)
 
     def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
         """Sum over slots (float32, slot order) of the six down projections from one launch; float32 [rows].
@@ -249,9 +260,13 @@ class CupyBackend(NumpyBackend):
         x = np.asarray(x, np.float32)
         n = x.shape[-1]
         rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+        if w is not None and f32_of(w).shape != (n,):
+            raise ValueError(f"rms_norm_rows: weight of shape {f32_of(w).shape} for rows of {n}")
         out = cp.empty((rows, n), cp.float32)
-        wd = cp.asarray(f32_of(w)) if w is not None else NULL
-        self.k["rms_norm_rows"]((rows,), (256,), (cp.asarray(x.reshape(rows, n)), wd, out, np.int32(n), np.float32(eps)))
+        if rows == 0:
+            return np.empty(x.shape, np.float32)
+        wd = self.up(f32_of(w)) if w is not None else NULL
+        self.k["rms_norm_rows"]((rows,), (256,), (self.up(x.reshape(rows, n)), wd, out, np.int32(n), np.float32(eps)))
         return cp.asnumpy(out).reshape(x.shape)
 
     def rope_tail(self, x, pos: int, cfg, compress_ratio: int, inverse: bool = False) -> np.ndarray:
@@ -260,13 +275,17 @@ class CupyBackend(NumpyBackend):
         from ds4ref.rope import rope_params, yarn_corr_dims
         cp = self.cp
         x = np.asarray(x, np.float32)
+        if x.ndim == 0 or x.shape[-1] < cfg.n_rot or cfg.n_rot % 2:
+            raise ValueError(f"rope_tail: rows of width {x.shape[-1:]} cannot hold n_rot={cfg.n_rot} rotated dims")
+        if not isinstance(pos, (int, np.integer)) or not 0 <= pos < 1 << 24:
+            raise ValueError(f"rope_tail (CUDA): pos must be one integer in [0, 2^24), got {pos!r}")
         prm = rope_params(cfg, compress_ratio)
         theta_scale = np.float32(prm["base"] ** np.float32(-2.0 / cfg.n_rot))
         lo, hi = (yarn_corr_dims(cfg.n_rot, prm["n_ctx_orig"], prm["base"], cfg.yarn_beta_fast, cfg.yarn_beta_slow)
                   if prm["yarn"] else (0.0, 0.0))
         head_dim = x.shape[-1]
         n_head = x.size // head_dim
-        xd = cp.asarray(x.reshape(n_head, head_dim))
+        xd = self.up(x.reshape(n_head, head_dim))
         n = n_head * (cfg.n_rot // 2)
         self.k["rope_tail"](((n + 127) // 128,), (128,),
                             (xd, np.int32(n_head), np.int32(head_dim), np.int32(cfg.n_rot), np.int32(pos), theta_scale,
@@ -283,13 +302,13 @@ class CupyBackend(NumpyBackend):
             return attention_rows_reference(q, kv, sinks, allowed, n_raw)
         n_head, D = q.shape
         R = kv.shape[0]
-        if kv.shape[1] != D:
-            raise ValueError(f"attention: kv rows have {kv.shape[1]} values, q heads {D}")
+        sinks = f32_of(sinks)
+        check_attention_args(q, kv, sinks)
         out = cp.empty((n_head, D), cp.float32)
         scratch = cp.empty((n_head, max(R, 1)), cp.float32)
         mask = row_mask(R, allowed, n_raw).astype(np.uint8)
         self.k["sink_attention"]((n_head,), (256,),
-                                 (cp.asarray(q), cp.asarray(kv), cp.asarray(f32_of(sinks)), cp.asarray(mask),
+                                 (self.up(q), self.up(kv), self.up(sinks), self.up(mask),
                                   np.int32(D), np.int32(R), np.float32(1.0 / np.sqrt(np.float32(D))), scratch, out),
                                  shared_mem=4 * D)
         return cp.asnumpy(out)
@@ -299,17 +318,13 @@ class CupyBackend(NumpyBackend):
 
         Mirrors ds4.c: compressor_pool_decode_state (l. 6459)"""
         cp = self.cp
+        coff = 2 if ratio == 4 else 1
+        want = (coff * ratio, coff * head_dim)
+        kv, score = np.asarray(state_kv, np.float32), np.asarray(state_score, np.float32)
+        if ratio not in (4, 128) or kv.shape != want or score.shape != want:
+            raise ValueError(f"compressor_pool: ratio {ratio}, state_kv {kv.shape}, state_score {score.shape}; "
+                             f"expected ratio 4 or 128 and both {want}")
         out = cp.empty((head_dim,), cp.float32)
         self.k["compressor_pool"](((head_dim + 127) // 128,), (128,),
-                                  (cp.asarray(np.asarray(state_kv, np.float32)),
-                                   cp.asarray(np.asarray(state_score, np.float32)),
-                                   np.int32(head_dim), np.int32(ratio), out))
+                                  (self.up(kv), self.up(score), np.int32(head_dim), np.int32(ratio), out))
         return cp.asnumpy(out)
-
-
-def _expert_rows(w3, raw_all: np.ndarray) -> int:
-    """Output rows of one expert of a 3-D expert tensor (GGUF shape [in, out, n_expert])."""
-    shape = getattr(w3, "shape", None)
-    if shape is None or len(shape) != 3:
-        raise MatvecError(f"{getattr(w3, 'name', 'weight')!r}: expected a 3-D expert tensor")
-    return int(shape[1])

@@ -7,7 +7,7 @@ import numpy as np
 
 from ds4ref.attention import attention_rows as attention_rows_reference
 from ds4ref.backend import NumpyBackend
-from ds4ref.backends import f32_of, row_mask
+from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid, ksigns_iq2xs, quantize_q8_0
 
@@ -166,7 +166,7 @@ class MlxBackend(NumpyBackend):
     # -- the routed experts of one token as one MLX graph ------------------------------------------------------------
     def _experts(self, w3, ids, ggml_type: int, block_bytes: int):
         """The selected experts' raw blocks, stacked: uint8 mx [k, rows, nb, block_bytes] (each expert cached)."""
-        parts = [self.resident(weight_rows(w3.expert(int(e)), ggml_type)) for e in np.asarray(ids).reshape(-1)]
+        parts = [self.resident(weight_rows(w3.expert(int(e)), ggml_type)) for e in expert_ids(ids, w3)]
         rows, row_bytes = parts[0].shape
         return self.mx.stack(parts).reshape(len(parts), rows, row_bytes // block_bytes, block_bytes)
 
@@ -203,6 +203,7 @@ class MlxBackend(NumpyBackend):
         q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
         if q.ndim != 2 or kv.ndim != 2:
             return attention_rows_reference(q, kv, sinks, allowed, n_raw)
+        check_attention_args(q, kv, f32_of(sinks))
         mask = mx.array(row_mask(len(kv), allowed, n_raw))
         kvm = mx.array(kv)
         s = (mx.array(q) @ kvm.T) * (1.0 / float(np.sqrt(np.float32(q.shape[1]))))      # [n_head, R]

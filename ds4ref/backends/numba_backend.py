@@ -7,8 +7,8 @@ import numpy as np
 from numba import njit, prange
 
 from ds4ref.attention import attention_rows as attention_rows_reference
-from ds4ref.backends import f32_of, row_mask
-from ds4ref.matvec import MatvecError, row_elements, weight_rows
+from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
+from ds4ref.matvec import row_elements, weight_rows
 from ds4ref.numba_kernels import NumbaBackend as _MatvecBackend     # chapter 03: the matvec kernels
 from ds4ref.numba_kernels import run_kernel                         # compiles with LLVM's SLP vectorizer on
 from ds4ref.quant import iq2xxs_grid, iq2xxs_signs, quantize_q8_K
@@ -17,7 +17,7 @@ def prefer_workqueue_threads() -> str:
     """Pick numba's simple 'workqueue' threading layer unless NUMBA_THREADING_LAYER says otherwise; returns the
     choice. On the 2-vCPU VMs this book is built on, the default OpenMP layer took about 5 ms to wake its
     worker for each parallel region (a 2 MB matvec: 5.4 ms with 2 threads against 0.12 ms with 1), and a
-    decode step has about 60 regions. Takes effect only before the first parallel kernel of the process runs.
+    decode step has dozens of regions. Takes effect only before the first parallel kernel of the process runs.
     Mirrors ds4.c: ds4_threads_init (l. 678), ds4.c's own fixed pthread pool"""
     import os
     from numba import config
@@ -164,13 +164,6 @@ def sink_attention_kernel(q, kv, sinks, allowed, scale, out):
             out[h, i] *= inv
 
 
-def _expert_rows(w3) -> int:
-    shape = getattr(w3, "shape", None)
-    if shape is None or len(shape) != 3:
-        raise MatvecError(f"{getattr(w3, 'name', 'weight')!r}: expected a 3-D expert tensor")
-    return int(shape[1])
-
-
 class NumbaBackend(_MatvecBackend):
     """Chapter 03's numba matvecs, plus the routed experts of one token in two parallel kernels and the
     sink attention in one (no Python loop over experts or heads).
@@ -180,24 +173,27 @@ class NumbaBackend(_MatvecBackend):
     def routed_experts_mid(self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0) -> np.ndarray:
         """mid [k, n_ff] of the selected experts: IQ2_XXS gate/up on the shared Q8_K activation `a`, clamp, SiLU,
         times the route weight. Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
+        ids = expert_ids(ids, w_gate3)
         wg, wu = weight_rows(w_gate3, 16), weight_rows(w_up3, 16)
-        rows = _expert_rows(w_gate3)
+        rows = int(w_gate3.shape[1])
         n = row_elements(wg, 16)
-        ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
         yq = np.ascontiguousarray(a.qs, np.int8).reshape(1, n)
         yd = np.ascontiguousarray(a.d, np.float32).reshape(1, n // 256)
+        weights = np.ascontiguousarray(weights, np.float32).reshape(-1)
+        if weights.shape != ids.shape:
+            raise ValueError(f"routed experts: {len(weights)} route weights for {len(ids)} expert ids")
         mid = np.empty((len(ids), rows), np.float32)
-        run_kernel(experts_mid_kernel, wg, wu, ids, rows, yq, yd, np.ascontiguousarray(weights, np.float32),
+        run_kernel(experts_mid_kernel, wg, wu, ids, rows, yq, yd, weights,
                    np.float32(clamp), IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, mid)
         return mid
 
     def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
         """Sum over slots of Q2_K expert ids[s] times Q8_K activation row s (a.qs [k, n]); float32 [rows].
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
+        ids = expert_ids(ids, w_down3)
         wd = weight_rows(w_down3, 10)
-        rows = _expert_rows(w_down3)
+        rows = int(w_down3.shape[1])
         n = row_elements(wd, 10)
-        ids = np.ascontiguousarray(ids, np.int32).reshape(-1)
         k = len(ids)
         out = np.empty(rows, np.float32)
         run_kernel(experts_down_kernel, wd, ids, rows, np.ascontiguousarray(a.qs, np.int8).reshape(k, n),
@@ -212,7 +208,9 @@ class NumbaBackend(_MatvecBackend):
         q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
         if q.ndim != 2 or kv.ndim != 2:
             return attention_rows_reference(q, kv, sinks, allowed, n_raw)
+        sinks = f32_of(sinks)
+        check_attention_args(q, kv, sinks)
         out = np.empty_like(q)
-        run_kernel(sink_attention_kernel, np.ascontiguousarray(q), np.ascontiguousarray(kv), f32_of(sinks),
+        run_kernel(sink_attention_kernel, np.ascontiguousarray(q), np.ascontiguousarray(kv), sinks,
                    row_mask(len(kv), allowed, n_raw), np.float32(1.0) / np.sqrt(np.float32(q.shape[1])), out)
         return out
