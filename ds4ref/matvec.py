@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4ref.quant import (BLOCKS, F16, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPE_NAMES, quantize_q8_0, unpack_iq2_xxs,
+from ds4ref.quant import (BLOCKS, F16, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPE_NAMES, quantize_q8_0, unpack_iq2_xxs_signed,
                           unpack_q2_K, unpack_q4_K)
 
 QK8_0 = 32   # values per Q8_0 block
@@ -87,12 +87,12 @@ def q8_K_fields(a, n: int):
 
 
 def block_sum(terms: np.ndarray) -> np.ndarray:
-    """Sum float32 terms [..., nb] over the last axis one block after another, as ds4.c's loops do.
+    """Sum float32 terms [nb, ...] over the first (block) axis one block after another, as ds4.c's loops do.
 
     Mirrors ds4.c: dot_q8_0_row (l. 2958) (its `acc +=` over blocks)"""
-    acc = np.zeros(terms.shape[:-1], np.float32)
-    for b in range(terms.shape[-1]):
-        acc += terms[..., b]
+    acc = np.zeros(terms.shape[1:], np.float32)
+    for term in terms:
+        acc += term
     return acc
 
 
@@ -100,43 +100,47 @@ def by_row_chunks(raw: np.ndarray, n_tok: int, n: int, rows_fn) -> np.ndarray:
     """out float32 [n_tok, rows], filled as out[:, r0:r1] = rows_fn(raw[r0:r1]) over slices of rows.
 
     Mirrors ds4.c: ds4_parallel_for (l. 770) (each worker takes a range of rows)"""
-    step = max(1, (1 << 22) // max(1, n_tok * n))
+    step = max(1, (1 << 20) // max(1, n_tok * n))
     out = np.empty((n_tok, raw.shape[0]), np.float32)
     for r0 in range(0, raw.shape[0], step):
         out[:, r0:r0 + step] = rows_fn(raw[r0:r0 + step])
     return out
 
 
-def f16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The little-endian f16 at byte `offset` of every block of uint8 [..., block_bytes], as float32 [...].
+def f16_field(raw: np.ndarray, block_bytes: int, offset: int) -> np.ndarray:
+    """The little-endian f16 at byte `offset` of every block of rows uint8 [r, nb * block_bytes], as float32 [r, nb].
 
+    The block size and the offset are even, so the rows are read as f16 numbers in place (no copy).
     Mirrors ds4.c: f16_to_f32 (l. 1514)"""
-    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view("<f2")[..., 0].astype(np.float32)
+    f16 = np.ascontiguousarray(raw).view("<f2")                          # a no-op for whole rows
+    return f16.reshape(len(raw), -1, block_bytes // 2)[:, :, offset // 2].astype(np.float32)
 
 
 def q8_0_rows(raw: np.ndarray):
-    """Split Q8_0 rows uint8 [rows, nb*34] into scales float32 [rows, nb] and values int8 [rows, nb, 32].
+    """Split Q8_0 rows uint8 [r, nb*34] into scales float32 [nb, r] and values float32 [nb, r, 32] (block-major).
 
     Mirrors ds4.c: dot_q8_0_row (l. 2958) (scale bits at byte 0 of a block, values at byte 2)"""
-    blocks = raw.reshape(raw.shape[0], -1, 34)
-    return f16_field(blocks, 0), blocks[:, :, 2:].view(np.int8)
+    qs = raw.reshape(len(raw), -1, 34)[:, :, 2:].view(np.int8)           # int8 [r, nb, 32]
+    return f16_field(raw, 34, 0).T, qs.transpose(1, 0, 2).astype(np.float32, order="C")
 
 
 def matvec_q8_0_prequant(w, a) -> np.ndarray:
     """y = W x for a Q8_0 weight [rows, n] and an already quantized Q8_0 activation a (qs [..., n], d [..., n/32]).
 
-    Per 32-block an int32 dot of the int8 values; then acc += (f16(d_w) d_x) dot in float32, block by block.
-    Returns float32 [..., rows]. Mirrors ds4.c: dot_q8_0_row (l. 2958)"""
+    Per 32-block the exact integer dot of the int8 values (through float32, see above); then
+    acc += (f16(d_w) d_x) dot in float32, block by block. Returns float32 [..., rows].
+    Mirrors ds4.c: dot_q8_0_row (l. 2958)"""
     raw = weight_rows(w, Q8_0)
     n = row_elements(raw, Q8_0)
     (xq, xd), lead = q8_0_fields(a, n)
-    xq = xq.reshape(len(xq), -1, QK8_0).astype(np.int32)                  # [T, nb, 32]
+    T = len(xq)
+    xq = xq.reshape(T, n // QK8_0, QK8_0).transpose(1, 2, 0).astype(np.float32)   # [nb, 32, T]
 
     def rows(raw):                                                        # a slice of r rows -> [T, r]
-        wd, wq = q8_0_rows(raw)                                           # [r, nb], [r, nb, 32]
-        dots = np.einsum("rbi,tbi->trb", wq.astype(np.int32), xq)         # int32 [T, r, nb]
-        return block_sum((wd[None] * xd[:, None]) * dots.astype(np.float32))
-    return by_row_chunks(raw, len(xq), n, rows).reshape(lead + (raw.shape[0],))
+        wd, wq = q8_0_rows(raw)                                           # [nb, r], [nb, r, 32]
+        dots = wq @ xq                                                    # [nb, r, T], exact integers
+        return block_sum((wd[:, :, None] * xd.T[:, None]) * dots).T
+    return by_row_chunks(raw, T, n, rows).reshape(lead + (raw.shape[0],))
 
 
 def matvec_q8_0(w, x) -> np.ndarray:
@@ -164,22 +168,25 @@ def matvec_q2_K_q8_K(w, a) -> np.ndarray:
     """y = W x for a Q2_K weight [rows, n] and a Q8_K activation a (qs, d, bsums).
 
     Per block: isum = sum_g sc_g (int dot of the 2-bit codes and q8 over group g), summs = sum_g m_g bsums_g,
-    both int32; acc += (d_x f16(d)) isum - (d_x f16(dmin)) summs in float32. Returns float32 [..., rows].
-    Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
+    both exact integers (computed through float32); acc += (d_x f16(d)) isum - (d_x f16(dmin)) summs in
+    float32. Returns float32 [..., rows]. Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
     raw = weight_rows(w, Q2_K)
     n = row_elements(raw, Q2_K)
     (yq, yd, ybs), lead = q8_K_fields(a, n)
-    yq = yq.reshape(len(yq), -1, 16, 16).astype(np.int32)                # [T, nb, group, 16]
-    ybs = ybs.reshape(len(yd), -1, 16).astype(np.int32)                   # [T, nb, group]
+    T = len(yq)
+    yq = yq.reshape(T, n // QK_K, QK_K).transpose(1, 2, 0).astype(np.float32)    # [nb, 256, T]
+    ybs = ybs.reshape(T, n // QK_K, 16).transpose(1, 2, 0).astype(np.float32)    # [nb, group, T]
+    yd = yd.T                                                             # [nb, T]
 
     def rows(raw):
         sc, m, q, d, dmin = unpack_q2_K(raw)                              # [r, nb, 16] x2, [r, nb, 256], [r, nb] x2
-        q = q.reshape(*q.shape[:-1], 16, 16).astype(np.int32)             # [r, nb, group, 16]
-        isum = np.einsum("rbg,rbgi,tbgi->trb", sc.astype(np.int32), q, yq)   # int32 [T, r, nb]
-        summs = np.einsum("rbg,tbg->trb", m.astype(np.int32), ybs)           # int32 [T, r, nb]
-        dall, dmn = yd[:, None] * d[None], yd[:, None] * dmin[None]          # float32 [T, r, nb]
-        return block_sum(dall * isum.astype(np.float32) - dmn * summs.astype(np.float32))
-    return by_row_chunks(raw, len(yd), n, rows).reshape(lead + (raw.shape[0],))
+        scq = np.repeat(sc, 16, axis=-1) * q                              # sc_g q_e <= 45, uint8 [r, nb, 256]
+        scq = scq.transpose(1, 0, 2).astype(np.float32, order="C")       # [nb, r, 256]
+        isum = scq @ yq                                                   # [nb, r, T], |isum| < 2^24: exact
+        summs = m.transpose(1, 0, 2).astype(np.float32) @ ybs             # [nb, r, T], exact
+        dall, dmn = d.T[:, :, None] * yd[:, None], dmin.T[:, :, None] * yd[:, None]   # float32 [nb, r, T]
+        return block_sum(dall * isum - dmn * summs).T
+    return by_row_chunks(raw, T, n, rows).reshape(lead + (raw.shape[0],))
 
 
 def matvec_q4_K_q8_K(w, a) -> np.ndarray:
@@ -191,27 +198,28 @@ def matvec_q4_K_q8_K(w, a) -> np.ndarray:
     raw = weight_rows(w, Q4_K)
     n = row_elements(raw, Q4_K)
     (yq, yd, ybs), lead = q8_K_fields(a, n)
-    yq = yq.reshape(len(yq), -1, 8, 32).astype(np.int32)                  # [T, nb, sub-block, 32]
-    ybs = ybs.reshape(len(yd), -1, 8, 2).sum(-1, dtype=np.int32)          # [T, nb, sub-block]
+    yq = yq.reshape(len(yq), n // QK_K, 8, 32).astype(np.int32)           # [T, nb, sub-block, 32]
+    ybs = ybs.reshape(len(yd), n // QK_K, 8, 2).sum(-1, dtype=np.int32)   # [T, nb, sub-block]
 
     def rows(raw):
         sc, m, q, d, dmin = unpack_q4_K(raw)                              # [r, nb, 8] x2, [r, nb, 256], [r, nb] x2
-        q = q.reshape(*q.shape[:-1], 8, 32).astype(np.int32)
-        isum = np.einsum("rbj,rbji,tbji->trb", sc.astype(np.int32), q, yq)
-        summs = np.einsum("rbj,tbj->trb", m.astype(np.int32), ybs)
-        dall, dmn = yd[:, None] * d[None], yd[:, None] * dmin[None]
+        q = q.reshape(*q.shape[:-1], 8, 32).astype(np.int32)              # isum can pass 2^24: int32 here
+        isum = np.einsum("rbj,rbji,tbji->btr", sc.astype(np.int32), q, yq)   # int32 [nb, T, r]
+        summs = np.einsum("rbj,tbj->btr", m.astype(np.int32), ybs)
+        dall, dmn = yd.T[:, :, None] * d.T[:, None], yd.T[:, :, None] * dmin.T[:, None]   # float32 [nb, T, r]
         return block_sum(dall * isum.astype(np.float32) - dmn * summs.astype(np.float32))
     return by_row_chunks(raw, len(yd), n, rows).reshape(lead + (raw.shape[0],))
 
 
 def iq2_xxs_signed_rows(raw: np.ndarray):
-    """Split IQ2_XXS rows uint8 [rows, nb*66] into d float32 [rows, nb], signed grid values int32
-    [rows, nb, 8, 32] (in +-{8, 25, 43}) and the odd group scales 2s+1 int32 [rows, nb, 8].
+    """Split IQ2_XXS rows uint8 [r, nb*66] into d float32 [nb, r], signed grid values float32
+    [nb, 8, r, 32] (in +-{8, 25, 43}; block- and group-major) and the odd group scales 2s+1 int32 [nb, 8, r].
 
     Mirrors ds4.c: iq2xxs_signed_grid_init (l. 307)"""
-    d, grid, signs, scales = unpack_iq2_xxs(raw)
-    vals = grid.astype(np.int32) * signs                                  # [r, nb, 256]
-    return d, vals.reshape(raw.shape[0], -1, 8, 32), 2 * scales.astype(np.int32) + 1
+    d, vals, scales = unpack_iq2_xxs_signed(raw)                         # vals int8 [r, nb, 256]
+    vals = vals.reshape(len(raw), -1, 8, 32)                              # [r, nb, group, 32]
+    vals = vals.transpose(1, 2, 0, 3).astype(np.float32, order="C")       # [nb, group, r, 32]
+    return d.T, vals, 2 * scales.transpose(1, 2, 0).astype(np.int32) + 1
 
 
 def matvec_iq2_xxs_q8_K(w, a) -> np.ndarray:
@@ -223,14 +231,15 @@ def matvec_iq2_xxs_q8_K(w, a) -> np.ndarray:
     raw = weight_rows(w, IQ2_XXS)
     n = row_elements(raw, IQ2_XXS)
     (yq, yd, _), lead = q8_K_fields(a, n)
-    yq = yq.reshape(len(yq), -1, 8, 32).astype(np.int32)                  # [T, nb, group, 32]
+    T = len(yq)
+    yq = yq.reshape(T, n // QK_K, 8, 32).transpose(1, 2, 3, 0).astype(np.float32)   # [nb, group, 32, T]
 
     def rows(raw):
-        d, vals, scale = iq2_xxs_signed_rows(raw)
-        sumi = np.einsum("rbgi,tbgi->trbg", vals, yq)                     # int32 [T, r, nb, group]
-        bsum = (sumi * scale[None]).sum(-1, dtype=np.int32)               # int32 [T, r, nb]
-        return np.float32(0.125) * block_sum((d[None] * yd[:, None]) * bsum.astype(np.float32))
-    return by_row_chunks(raw, len(yd), n, rows).reshape(lead + (raw.shape[0],))
+        d, vals, scale = iq2_xxs_signed_rows(raw)                         # [nb, r], [nb, group, r, 32], [nb, group, r]
+        sumi = (vals @ yq).astype(np.int32)                               # [nb, group, r, T], exact (< 2^18)
+        bsum = (sumi * scale[..., None]).sum(1, dtype=np.int32)           # int32 [nb, r, T] (may pass 2^24)
+        return np.float32(0.125) * block_sum((d[:, :, None] * yd.T[:, None]) * bsum.astype(np.float32)).T
+    return by_row_chunks(raw, T, n, rows).reshape(lead + (raw.shape[0],))
 
 
 def matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):

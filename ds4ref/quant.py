@@ -197,8 +197,11 @@ def unpack_q2_K(raw):
     Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)
     """
     b = _blocks(raw, Q2_K)
-    qs = b["qs"].reshape(*b.shape, 2, 1, 32)                      # [.., nb, half, 1, l]
-    q = (qs >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3     # [.., nb, half, j, l]
+    qs = b["qs"].reshape(*b.shape, 2, 32)                         # [.., nb, half, l]
+    q = np.empty(b.shape + (2, 4, 32), np.uint8)                  # [.., nb, half, j, l]
+    for j in range(4):                                            # one scalar shift per bit pair (numpy
+        np.right_shift(qs, 2 * j, out=q[..., j, :])               # vectorises these; a shift by an array
+    q &= 3                                                        # of amounts it does not)
     return (b["scales"] & 15, b["scales"] >> 4, q.reshape(*b.shape, QK_K), _f16(b["d"]), _f16(b["dmin"]))
 
 

@@ -171,6 +171,105 @@ def test_f16_matvec_equals_float64_dot():
         assert rel(be.matvec_f16(w.view(np.uint8), x), want) < 1e-6
 
 
+# --- the float32 fast path == an independent int64 computation ------------------------------------------
+
+def saturated_rows(rng, kind: str, rows: int, n: int) -> np.ndarray:
+    """Random valid blocks, 80% of the bytes at the largest code (Q8_0: -128; else 0xFF: Q2_K q=3, sc=m=15)."""
+    raw = random_rows(rng, kind, rows, n)
+    scale_at = {"Q8_0": [0], "Q2_K": [80, 82], "IQ2_XXS": [0]}[kind]
+    size = {"Q8_0": 34, "Q2_K": 84, "IQ2_XXS": 66}[kind]
+    blocks = raw.reshape(rows, -1, size)
+    keep = np.zeros(size, bool)
+    for o in scale_at:
+        keep[o:o + 2] = True                               # leave the (finite) f16 scales alone
+    extreme = np.uint8(0x80 if kind == "Q8_0" else 0xFF)
+    blocks[...] = np.where(~keep & (rng.random(blocks.shape) < 0.8), extreme, blocks)
+    return raw
+
+
+def extreme_int8(rng, shape) -> np.ndarray:
+    """int8 activations, 80% of them -128."""
+    return np.where(rng.random(shape) < 0.8, np.int8(-128), rng.integers(-128, 128, shape, dtype=np.int8))
+
+
+def f16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view("<f2")[..., 0].astype(np.float32)
+
+
+def blockwise_float32(terms: list) -> np.ndarray:
+    """ds4.c's outer loop: acc += term_b in float32, b = 0, 1, ..."""
+    acc = np.zeros_like(terms[0])
+    for t in terms:
+        acc += t
+    return acc
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q2_K", "IQ2_XXS"])
+@pytest.mark.parametrize("draw", ["random", "saturated"])
+def test_float32_block_dots_equal_int64_reference(kind, draw):
+    """The numpy matvecs compute the block dots through float32 matmuls: exact because every partial sum is an
+    integer < 2^24. Against int64 dots (IQ2_XXS: from the unsigned grid and the sign table, not the signed
+    table) with the same float32 outer loop, the results are bit-identical, at the largest codes too."""
+    from ds4ref.matvec import matvec_iq2_xxs_q8_K, matvec_q2_K_q8_K
+    from ds4ref.quant import unpack_iq2_xxs, unpack_q2_K
+
+    rng = np.random.default_rng(2024 + len(kind) + len(draw))
+    rows, n, T = 67, 1024, 3
+    raw = (random_rows if draw == "random" else saturated_rows)(rng, kind, rows, n)
+    qs = rng.integers(-128, 128, (T, n), dtype=np.int8) if draw == "random" else extreme_int8(rng, (T, n))
+    if kind == "Q8_0":
+        xd = rng.uniform(0.001, 0.1, (T, n // 32)).astype(np.float32)
+        got = matvec_q8_0_prequant(raw, Q8Act(qs, xd))
+        blocks = raw.reshape(rows, -1, 34)
+        wq = blocks[:, :, 2:].view(np.int8).astype(np.int64)
+        dots = np.einsum("rbi,tbi->trb", wq, qs.reshape(T, -1, 32).astype(np.int64))   # int64 [T, r, nb]
+        wd = f16_at(blocks, 0)
+        want = blockwise_float32([(wd[:, b] * xd[:, b, None]) * dots[..., b].astype(np.float32)
+                                  for b in range(n // 32)])
+        biggest = np.abs(dots).max()
+    else:
+        yd = rng.uniform(-0.1, -0.001, (T, n // 256)).astype(np.float32)
+        bsums = qs.reshape(T, -1, 16).sum(-1, dtype=np.int64).astype(np.int16)
+        a = Q8KAct(qs, yd, bsums)
+        y = qs.reshape(T, -1, 256).astype(np.int64)
+        if kind == "Q2_K":
+            got = matvec_q2_K_q8_K(raw, a)
+            sc, m, q, d, dmin = unpack_q2_K(raw)
+            isum = np.einsum("rbg,rbgi,tbgi->trb", sc.astype(np.int64), q.reshape(rows, -1, 16, 16).astype(np.int64),
+                             y.reshape(T, -1, 16, 16))
+            summs = np.einsum("rbg,tbg->trb", m.astype(np.int64), bsums.reshape(T, -1, 16).astype(np.int64))
+            want = blockwise_float32([(yd[:, b, None] * d[:, b]) * isum[..., b].astype(np.float32)
+                                      - (yd[:, b, None] * dmin[:, b]) * summs[..., b].astype(np.float32)
+                                      for b in range(n // 256)])
+            biggest = np.abs(isum).max()
+        else:
+            got = matvec_iq2_xxs_q8_K(raw, a)
+            d, grid, signs, scales = unpack_iq2_xxs(raw)
+            vals = (grid.astype(np.int64) * signs).reshape(rows, -1, 8, 32)
+            sumi = np.einsum("rbgi,tbgi->trbg", vals, y.reshape(T, -1, 8, 32))
+            bsum = (sumi * (2 * scales.astype(np.int64) + 1)).sum(-1)                  # int64 [T, r, nb]
+            want = np.float32(0.125) * blockwise_float32([(d[:, b] * yd[:, b, None]) * bsum[..., b].astype(np.float32)
+                                                          for b in range(n // 256)])
+            biggest = np.abs(bsum).max()          # the scaled block sum, which passes 2^24: int32 needed there
+    assert got.shape == (T, rows) and got.dtype == np.float32
+    assert np.array_equal(got, want)
+    if draw == "saturated":              # the bounds are really exercised
+        assert biggest > {"Q8_0": 2 ** 18, "Q2_K": 2 ** 19, "IQ2_XXS": 2 ** 24}[kind], biggest
+
+
+def test_numpy_matvecs_take_an_empty_batch():
+    """A batch of 0 activations gives [0, rows], not a reshape error."""
+    from ds4ref.matvec import matvec_iq2_xxs_q8_K, matvec_q2_K_q8_K, matvec_q4_K_q8_K
+    rng = np.random.default_rng(9)
+    qs = np.zeros((0, 512), np.int8)
+    q8_0 = Q8Act(qs, np.zeros((0, 16), np.float32))
+    k = Q8KAct(qs, np.zeros((0, 2), np.float32), np.zeros((0, 32), np.int16))
+    assert matvec_q8_0_prequant(random_rows(rng, "Q8_0", 5, 512), q8_0).shape == (0, 5)
+    assert matvec_q2_K_q8_K(random_rows(rng, "Q2_K", 5, 512), k).shape == (0, 5)
+    assert matvec_q4_K_q8_K(random_rows(rng, "Q4_K", 5, 512), k).shape == (0, 5)
+    assert matvec_iq2_xxs_q8_K(random_rows(rng, "IQ2_XXS", 5, 512), k).shape == (0, 5)
+
+
 # --- numba == numpy on random inputs -------------------------------------------------------------------
 
 def random_rows(rng, kind: str, rows: int, n: int) -> np.ndarray:
