@@ -92,43 +92,49 @@ def f16_kernel(w16, x, lut, out):
             out[t, r] = acc
 
 
+@njit(inline="always")
+def _q2_K_row(w, r, sc, yq, yd, ybs, t, lut):
+    """One Q2_K row (bytes w[r]) against Q8_K activation row t (yq int8 or int16 [T, nb*256]); sc: int16[16] scratch.
+
+    isum is summed as sum_e (sc_g(e) q_e) y_e, which is the same int32 as ds4's sum_g sc_g (sum_e q_e y_e);
+    sc_g q_e <= 45 is formed in 16 bits, from an int16 copy of the block's 16 scales.
+    Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
+    acc = np.float32(0.0)
+    for b in range(w.shape[1] // 84):
+        o = b * 84
+        summs = np.int32(0)
+        for g in range(16):
+            summs = np.int32(summs + np.int32(w[r, o + g] >> 4) * np.int32(ybs[t, b * 16 + g]))
+            sc[g] = w[r, o + g] & 15
+        isum = np.int32(0)
+        e = b * 256
+        for l in range(32):                              # byte l of each 32-byte half: 4 values, 32 apart
+            q = np.int16(w[r, o + 16 + l])               # values l, l+32, l+64, l+96 (scales 0-7)
+            p = np.int16(w[r, o + 48 + l])               # values 128+l, ..., 224+l (scales 8-15)
+            k = l >> 4                                   # which group of 16 within each 32
+            isum = np.int32(isum
+                            + np.int32(np.int16(sc[k] * (q & 3))) * np.int32(yq[t, e + l])
+                            + np.int32(np.int16(sc[k + 2] * ((q >> 2) & 3))) * np.int32(yq[t, e + 32 + l])
+                            + np.int32(np.int16(sc[k + 4] * ((q >> 4) & 3))) * np.int32(yq[t, e + 64 + l])
+                            + np.int32(np.int16(sc[k + 6] * ((q >> 6) & 3))) * np.int32(yq[t, e + 96 + l])
+                            + np.int32(np.int16(sc[k + 8] * (p & 3))) * np.int32(yq[t, e + 128 + l])
+                            + np.int32(np.int16(sc[k + 10] * ((p >> 2) & 3))) * np.int32(yq[t, e + 160 + l])
+                            + np.int32(np.int16(sc[k + 12] * ((p >> 4) & 3))) * np.int32(yq[t, e + 192 + l])
+                            + np.int32(np.int16(sc[k + 14] * ((p >> 6) & 3))) * np.int32(yq[t, e + 224 + l]))
+        dall = yd[t, b] * _f16(lut, w, r, o + 80)
+        dmin = yd[t, b] * _f16(lut, w, r, o + 82)
+        acc += dall * np.float32(isum) - dmin * np.float32(summs)
+    return acc
+
+
 @njit(parallel=True, cache=True)
 def q2_K_kernel(w, yq, yd, ybs, lut, out):
     """Q2_K rows uint8 [rows, nb*84] times Q8_K activations (yq int8 or int16 [T, nb*256]); out float32 [T, rows].
-
-    isum is summed as sum_e (sc_g(e) q_e) y_e, which is the same int32 as ds4's sum_g sc_g (sum_e q_e y_e);
-    sc_g q_e <= 45 is formed in 16 bits, from a per-row int16 copy of the block's 16 scales.
     Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
-    nb = w.shape[1] // 84
     for r in prange(w.shape[0]):
         sc = np.empty(16, np.int16)                      # the current block's 4-bit scales
         for t in range(yq.shape[0]):
-            acc = np.float32(0.0)
-            for b in range(nb):
-                o = b * 84
-                summs = np.int32(0)
-                for g in range(16):
-                    summs = np.int32(summs + np.int32(w[r, o + g] >> 4) * np.int32(ybs[t, b * 16 + g]))
-                    sc[g] = w[r, o + g] & 15
-                isum = np.int32(0)
-                e = b * 256
-                for l in range(32):                      # byte l of each 32-byte half: 4 values, 32 apart
-                    q = np.int16(w[r, o + 16 + l])       # values l, l+32, l+64, l+96 (scales 0-7)
-                    p = np.int16(w[r, o + 48 + l])       # values 128+l, ..., 224+l (scales 8-15)
-                    k = l >> 4                           # which group of 16 within each 32
-                    isum = np.int32(isum
-                                    + np.int32(np.int16(sc[k] * (q & 3))) * np.int32(yq[t, e + l])
-                                    + np.int32(np.int16(sc[k + 2] * ((q >> 2) & 3))) * np.int32(yq[t, e + 32 + l])
-                                    + np.int32(np.int16(sc[k + 4] * ((q >> 4) & 3))) * np.int32(yq[t, e + 64 + l])
-                                    + np.int32(np.int16(sc[k + 6] * ((q >> 6) & 3))) * np.int32(yq[t, e + 96 + l])
-                                    + np.int32(np.int16(sc[k + 8] * (p & 3))) * np.int32(yq[t, e + 128 + l])
-                                    + np.int32(np.int16(sc[k + 10] * ((p >> 2) & 3))) * np.int32(yq[t, e + 160 + l])
-                                    + np.int32(np.int16(sc[k + 12] * ((p >> 4) & 3))) * np.int32(yq[t, e + 192 + l])
-                                    + np.int32(np.int16(sc[k + 14] * ((p >> 6) & 3))) * np.int32(yq[t, e + 224 + l]))
-                dall = yd[t, b] * _f16(lut, w, r, o + 80)
-                dmin = yd[t, b] * _f16(lut, w, r, o + 82)
-                acc += dall * np.float32(isum) - dmin * np.float32(summs)
-            out[t, r] = acc
+            out[t, r] = _q2_K_row(w, r, sc, yq, yd, ybs, t, lut)
 
 
 @njit(parallel=True, cache=True)

@@ -30,6 +30,20 @@ def ops_A():
 
 
 @pytest.fixture(scope="session")
+def model(oracle_gguf):
+    """(ModelConfig, Weights) of the oracle GGUF, loaded once for the whole run."""
+    from ds4ref.weights import load_model
+    _, cfg, weights = load_model(oracle_gguf)
+    return cfg, weights
+
+
+@pytest.fixture(scope="session")
+def positions(ops_A) -> list[int]:
+    """The positions ds4.c dumped in ops_A.npz (see data/oracle/README.md for why these)."""
+    return [int(p) for p in ops_A["positions"]]
+
+
+@pytest.fixture(scope="session")
 def golden_A():
     return np.load(ORACLE / "golden_A.npz")
 

@@ -15,20 +15,8 @@ from ds4ref.backend import NUMPY
 from ds4ref.config import ModelConfig
 from ds4ref.quant import quantize_q8_0
 from ds4ref.rope import rope_params, rope_tail, rope_theta, yarn_corr_dims, yarn_ramp
-from ds4ref.weights import load_model
 
 FLOAT_TOL = 1e-5  # data/oracle/README.md: float ops within 1e-5 relative
-
-
-@pytest.fixture(scope="module")
-def model(oracle_gguf):
-    _, cfg, W = load_model(oracle_gguf)
-    return cfg, W
-
-
-@pytest.fixture(scope="module")
-def positions(ops_A):
-    return [int(p) for p in ops_A["positions"]]
 
 
 def rel(port, ds4) -> float:

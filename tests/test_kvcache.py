@@ -14,15 +14,8 @@ from ds4ref.indexer import (IndexerError, indexer_allowed, indexer_query, indexe
 from ds4ref.kvcache import KVCache, KVCacheError, LayerCache, kv_cache_bytes
 from ds4ref.quant import f16_round, fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.rope import rope_tail
-from ds4ref.weights import load_model
 
 LANES = {"comp": "attn_compressor", "icomp": "indexer_compressor"}
-
-
-@pytest.fixture(scope="module")
-def model(oracle_gguf):
-    _, cfg, w = load_model(oracle_gguf)
-    return cfg, w
 
 
 @pytest.fixture(scope="module")

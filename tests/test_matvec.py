@@ -11,16 +11,9 @@ from ds4ref.backend import NUMPY, NumpyBackend
 from ds4ref.matvec import MatvecError, matvec_f16, matvec_q8_0, matvec_q8_0_prequant
 from ds4ref.numba_kernels import NUMBA, NumbaBackend
 from ds4ref.quant import Q8Act, Q8KAct, QuantError, quantize, quantize_q8_0, quantize_q8_K
-from ds4ref.weights import load_model
 
 BACKENDS = [NUMPY, NUMBA]
 TYPE_ID = {"F16": 1, "Q8_0": 8, "Q2_K": 10, "Q4_K": 12, "IQ2_XXS": 16}
-
-
-@pytest.fixture(scope="module")
-def model(oracle_gguf):
-    _, cfg, w = load_model(oracle_gguf)
-    return cfg, w
 
 
 def rel(got, want) -> float:

@@ -18,22 +18,10 @@ from ds4ref.moe import (MoEError, _hc_ffn_pre, _sum_slots, hash_selected_experts
                         router_weights, silu, softplus_stable, swiglu, topk_selected_experts)
 from ds4ref.norms import rms_norm_weight
 from ds4ref.quant import Q8Act, Q8KAct, dequantize, quantize_q8_0, quantize_q8_K
-from ds4ref.weights import load_model
 
 REL = 1e-5
 FFN_PREFIXES = ("ffn_", "router_", "exp_", "q8k.ffn", "q8.ffn", "moe_", "shared_", "hc_out")
 LAYERS = range(6)
-
-
-@pytest.fixture(scope="module")
-def model(oracle_gguf):
-    _, cfg, W = load_model(oracle_gguf)
-    return cfg, W
-
-
-@pytest.fixture(scope="module")
-def positions(ops_A):
-    return sorted(int(k.split(".")[1][1:]) for k in ops_A.files if k.startswith("L0.P") and k.endswith(".ffn_norm"))
 
 
 def rel_err(a, b) -> float:

@@ -9,20 +9,8 @@ from hypothesis import strategies as st
 from ds4ref.hc import (hc_from_plain_embedding, hc_mix, hc_post, hc_pre, hc_split_sinkhorn, hc_weighted_sum,
                        output_hc_head, output_hc_weights)
 from ds4ref.norms import head_rms_norm, rms_norm_no_weight, rms_norm_weight
-from ds4ref.weights import load_model
 
 FLOAT_TOL = 1e-5  # data/oracle/README.md: float ops within 1e-5 relative
-
-
-@pytest.fixture(scope="module")
-def model(oracle_gguf):
-    _, cfg, W = load_model(oracle_gguf)
-    return cfg, W
-
-
-@pytest.fixture(scope="module")
-def positions(ops_A):
-    return [int(p) for p in ops_A["positions"]]
 
 
 def rel(port, ds4) -> float:

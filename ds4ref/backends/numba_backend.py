@@ -11,7 +11,10 @@ from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
 from ds4ref.matvec import row_elements, weight_rows
 from ds4ref.numba_kernels import NumbaBackend as _MatvecBackend     # chapter 03: the matvec kernels
 from ds4ref.numba_kernels import run_kernel                         # compiles with LLVM's SLP vectorizer on
-from ds4ref.quant import iq2xxs_grid, iq2xxs_signs, quantize_q8_K
+# chapter 03's row kernels and tables (f16 bits -> float32; IQ2_XXS grid and signs, flat), reused by the
+# fused expert kernels below, so one row of an expert is computed exactly as a plain matvec computes it
+from ds4ref.numba_kernels import F16_TO_F32, IQ2XXS_GRID, IQ2XXS_SIGNS, _iq2_xxs_row, _q2_K_row
+from ds4ref.quant import quantize_q8_K
 
 def prefer_workqueue_threads() -> str:
     """Pick numba's simple 'workqueue' threading layer unless NUMBA_THREADING_LAYER says otherwise; returns the
@@ -28,79 +31,12 @@ def prefer_workqueue_threads() -> str:
 
 prefer_workqueue_threads()
 
-# Tables as data for the kernels: f16 bits -> float32, and chapter 2's IQ2_XXS grid (256 points x 8 bytes) and
-# sign patterns (128 x 8, +-1), flat. Two small tables stay in L1; ds4.c's premultiplied signed grid
-# (iq2xxs_signed_grid[256][128][8], l. 303) is 256 KB, and measured slower here.
-F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-IQ2XXS_GRID = np.ascontiguousarray(iq2xxs_grid.reshape(-1))
-IQ2XXS_SIGNS = np.ascontiguousarray(iq2xxs_signs.reshape(-1))
-
-
 @njit(inline="always")
 def _sigmoid_stable(x):
     if x >= np.float32(0.0):
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
     e = np.exp(x)
     return e / (np.float32(1.0) + e)
-
-
-@njit(inline="always")
-def _f16(lut, raw, r, o):
-    return lut[np.int32(raw[r, o]) | (np.int32(raw[r, o + 1]) << 8)]
-
-
-@njit(inline="always")
-def _iq2_xxs_row(w, r, yq, yd, t, grid, signs, lut):
-    """One IQ2_XXS row (bytes w[r]) against Q8_K activation row t: per 32-group four grid rows of 8 (flat
-    table `grid`, 256 x 8) times four sign rows (flat `signs`, 128 x 8), an int32 dot, times 2s+1; per block
-    (d_w d_y) bsum; 1/8 of the float sum over blocks. Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
-    acc = np.float32(0.0)
-    for b in range(w.shape[1] // 66):
-        o = b * 66 + 2
-        bsum = np.int32(0)
-        for g in range(8):
-            go = o + 8 * g
-            word = (np.uint32(w[r, go + 4]) | (np.uint32(w[r, go + 5]) << 8)
-                    | (np.uint32(w[r, go + 6]) << 16) | (np.uint32(w[r, go + 7]) << 24))
-            a0, s0 = np.int32(w[r, go]) * 8, np.int32(word & 127) * 8
-            a1, s1 = np.int32(w[r, go + 1]) * 8, np.int32((word >> 7) & 127) * 8
-            a2, s2 = np.int32(w[r, go + 2]) * 8, np.int32((word >> 14) & 127) * 8
-            a3, s3 = np.int32(w[r, go + 3]) * 8, np.int32((word >> 21) & 127) * 8
-            e = b * 256 + 32 * g
-            sumi = np.int32(0)
-            for k in range(8):
-                sumi = np.int32(sumi + np.int32(grid[a0 + k]) * np.int32(signs[s0 + k]) * np.int32(yq[t, e + k])
-                                + np.int32(grid[a1 + k]) * np.int32(signs[s1 + k]) * np.int32(yq[t, e + 8 + k])
-                                + np.int32(grid[a2 + k]) * np.int32(signs[s2 + k]) * np.int32(yq[t, e + 16 + k])
-                                + np.int32(grid[a3 + k]) * np.int32(signs[s3 + k]) * np.int32(yq[t, e + 24 + k]))
-            bsum = np.int32(bsum + sumi * np.int32(2 * (word >> 28) + 1))
-        acc += (_f16(lut, w, r, o - 2) * yd[t, b]) * np.float32(bsum)
-    return np.float32(0.125) * acc
-
-
-@njit(inline="always")
-def _q2_K_row(w, r, yq, yd, ybs, t, lut):
-    """One Q2_K row (bytes w[r]) against Q8_K activation row t: int32 isum and summs per block, then
-    acc += (d_y d) isum - (d_y dmin) summs, in block order. Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
-    acc = np.float32(0.0)
-    for b in range(w.shape[1] // 84):
-        o = b * 84
-        summs = np.int32(0)
-        for g in range(16):
-            summs = np.int32(summs + np.int32(w[r, o + g] >> 4) * np.int32(ybs[t, b * 16 + g]))
-        isum = np.int32(0)
-        for h in range(2):                               # byte l of half h holds values l, l+32, l+64, l+96
-            qh, sc, e = o + 16 + 32 * h, o + 8 * h, b * 256 + 128 * h
-            for l in range(32):
-                q = np.int32(w[r, qh + l])
-                k = l >> 4
-                isum = np.int32(isum
-                                + np.int32(w[r, sc + k] & 15) * (q & 3) * np.int32(yq[t, e + l])
-                                + np.int32(w[r, sc + 2 + k] & 15) * ((q >> 2) & 3) * np.int32(yq[t, e + 32 + l])
-                                + np.int32(w[r, sc + 4 + k] & 15) * ((q >> 4) & 3) * np.int32(yq[t, e + 64 + l])
-                                + np.int32(w[r, sc + 6 + k] & 15) * ((q >> 6) & 3) * np.int32(yq[t, e + 96 + l]))
-        acc += (yd[t, b] * _f16(lut, w, r, o + 80)) * np.float32(isum) - (yd[t, b] * _f16(lut, w, r, o + 82)) * np.float32(summs)
-    return acc
 
 
 @njit(parallel=True, cache=True)
@@ -125,9 +61,10 @@ def experts_down_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
     """out[r] = sum over slots s, in slot order, of row r of Q2_K expert ids[s] against Q8_K activation row s.
     Mirrors ds4.c: matvec_q2_k_accum_worker (l. 4017)"""
     for r in prange(rows):
+        sc = np.empty(16, np.int16)                      # scratch for chapter 03's row kernel
         acc = np.float32(0.0)
         for s in range(ids.shape[0]):
-            acc += _q2_K_row(wd, np.int64(ids[s]) * rows + r, yq, yd, ybs, s, lut)
+            acc += _q2_K_row(wd, np.int64(ids[s]) * rows + r, sc, yq, yd, ybs, s, lut)
         out[r] = acc
 
 
@@ -196,7 +133,7 @@ class NumbaBackend(_MatvecBackend):
         n = row_elements(wd, 10)
         k = len(ids)
         out = np.empty(rows, np.float32)
-        run_kernel(experts_down_kernel, wd, ids, rows, np.ascontiguousarray(a.qs, np.int8).reshape(k, n),
+        run_kernel(experts_down_kernel, wd, ids, rows, np.ascontiguousarray(a.qs, np.int16).reshape(k, n),  # int16 as in ch. 3
                    np.ascontiguousarray(a.d, np.float32).reshape(k, n // 256),
                    np.ascontiguousarray(a.bsums, np.int16).reshape(k, n // 16), F16_TO_F32, out)
         return out
