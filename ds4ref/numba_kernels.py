@@ -10,14 +10,13 @@ from numba import config, get_num_threads, njit, prange, set_num_threads
 
 from ds4ref.backend import NumpyBackend
 from ds4ref.matvec import (MatvecError, q8_0_fields, q8_K_fields, row_elements, weight_rows)
-from ds4ref.quant import iq2xxs_grid, iq2xxs_signs, quantize_q8_0
+from ds4ref.quant import F16, IQ2_XXS, Q2_K, Q4_K, Q8_0, iq2xxs_grid, iq2xxs_signs, quantize_q8_0
 
 # f16 bit pattern -> float32, so kernels can read f16 scales straight from the bytes (numba has no float16)
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 # the IQ2_XXS grid (uint8 [256 * 8], 2 KB) and sign rows (int8 [128 * 8], +-1, 1 KB): small enough for L1
 IQ2XXS_GRID = np.ascontiguousarray(iq2xxs_grid.reshape(-1))
 IQ2XXS_SIGNS = np.ascontiguousarray(iq2xxs_signs.reshape(-1))
-
 
 
 def run_kernel(kernel, *args, rows: int | None = None, min_rows: int = 512) -> None:
@@ -219,8 +218,8 @@ class NumbaBackend(NumpyBackend):
     @staticmethod
     def matvec_q8_0_prequant(w, a) -> np.ndarray:
         """As ds4ref.matvec.matvec_q8_0_prequant, by q8_0_kernel. Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
-        raw = _rows(w, 8)
-        (xq, xd), lead = q8_0_fields(a, row_elements(raw, 8))
+        raw = _rows(w, Q8_0)
+        (xq, xd), lead = q8_0_fields(a, row_elements(raw, Q8_0))
         out = _out(len(xq), raw.shape[0])
         run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=raw.shape[0])
         return out.reshape(lead + (raw.shape[0],))
@@ -232,8 +231,8 @@ class NumbaBackend(NumpyBackend):
     @staticmethod
     def matvec_f16(w, x) -> np.ndarray:
         """As ds4ref.matvec.matvec_f16, by f16_kernel. Mirrors ds4.c: matvec_f16 (l. 2841)"""
-        raw = _rows(w, 1)
-        n = row_elements(raw, 1)
+        raw = _rows(w, F16)
+        n = row_elements(raw, F16)
         x = np.asarray(x)
         if x.ndim < 1 or x.shape[-1] != n:
             raise MatvecError(f"F16 matvec: x has shape {x.shape}, the weight rows have {n} values")
@@ -246,8 +245,8 @@ class NumbaBackend(NumpyBackend):
     @staticmethod
     def matvec_q2_K_q8_K(w, a) -> np.ndarray:
         """As ds4ref.matvec.matvec_q2_K_q8_K, by q2_K_kernel. Mirrors ds4.c: matvec_q2_k_worker (l. 3972)"""
-        raw = _rows(w, 10)
-        (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, 10))
+        raw = _rows(w, Q2_K)
+        (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, Q2_K))
         out = _out(len(yq), raw.shape[0])
         # the int8 activation, widened to int16 once for all rows: the kernel then reads it without widening
         run_kernel(q2_K_kernel, raw, yq.astype(np.int16), yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
@@ -256,8 +255,8 @@ class NumbaBackend(NumpyBackend):
     @staticmethod
     def matvec_q4_K_q8_K(w, a) -> np.ndarray:
         """As ds4ref.matvec.matvec_q4_K_q8_K, by q4_K_kernel. Mirrors ds4_cuda.cu: dev_dot_q4_K_q8_K_block (l. 7989)"""
-        raw = _rows(w, 12)
-        (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, 12))
+        raw = _rows(w, Q4_K)
+        (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, Q4_K))
         out = _out(len(yq), raw.shape[0])
         run_kernel(q4_K_kernel, raw, yq, yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
         return out.reshape(lead + (raw.shape[0],))
@@ -267,10 +266,10 @@ class NumbaBackend(NumpyBackend):
         """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K, by iq2_xxs_pair_kernel.
 
         Mirrors ds4.c: matvec_iq2_xxs_pair_worker (l. 3836)"""
-        g_raw, u_raw = _rows(w_gate, 16), _rows(w_up, 16)
+        g_raw, u_raw = _rows(w_gate, IQ2_XXS), _rows(w_up, IQ2_XXS)
         if g_raw.shape != u_raw.shape:
             raise MatvecError(f"IQ2_XXS pair: gate {g_raw.shape} and up {u_raw.shape} do not match")
-        (yq, yd, _), lead = q8_K_fields(a, row_elements(g_raw, 16))
+        (yq, yd, _), lead = q8_K_fields(a, row_elements(g_raw, IQ2_XXS))
         g, u = _out(len(yq), g_raw.shape[0]), _out(len(yq), g_raw.shape[0])
         run_kernel(iq2_xxs_pair_kernel, g_raw, u_raw, yq, yd, IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, g, u,
                    rows=g_raw.shape[0])

@@ -354,7 +354,8 @@ def test_backends_share_one_interface():
 
 
 def test_numba_decode_matvec_allocates_only_its_output():
-    """A 4096 -> 1024 Q8_0 decode matvec allocates its 4 KB output, not a weight-sized temporary."""
+    """A 4096 -> 1024 Q8_0 decode matvec allocates its 4 KB output, not a weight-sized temporary (numpy-side
+    allocations, which tracemalloc sees; a copy of the weight or of the activation would show here)."""
     rng = np.random.default_rng(3)
     raw = random_rows(rng, "Q8_0", 1024, 4096)
     a = quantize_q8_0(rng.standard_normal(4096).astype(np.float32))
