@@ -165,6 +165,121 @@ def q4_K_kernel(w, yq, yd, ybs, lut, out):
             out[t, r] = acc
 
 
+from llvmlite import binding as _llvm_binding, ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+def _q2_K_block_intrinsic(bits: int):
+    """An intrinsic (w_addr, y_addr, bs_addr) -> (isum, summs) int32 for one Q2_K block, with `bits`-wide
+    vectors (256: AVX2, 512: AVX-512BW): w_addr the 84 block bytes, y_addr its 256 int8 Q8_K values,
+    bs_addr its 16 int16 bsums. Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1772, the vdotq_s32 path)"""
+    n = bits // 8                                        # code bytes per register: one or both 32-byte halves
+    madd_ub = {256: "llvm.x86.avx2.pmadd.ub.sw", 512: "llvm.x86.avx512.pmaddubs.w.512"}[bits]
+    madd_wd = {256: "llvm.x86.avx2.pmadd.wd", 512: "llvm.x86.avx512.pmaddw.d.512"}[bits]
+    i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+    vec = ir.VectorType
+
+    def codegen(context, builder, sig, args):
+        w, y, bs = args
+        mod = builder.module
+        pmaddubsw = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i16, n // 2), [vec(i8, n)] * 2), madd_ub)
+        pmaddwd = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i32, n // 4), [vec(i16, n // 2)] * 2), madd_wd)
+        pmaddwd16 = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i32, 8), [vec(i16, 16)] * 2),
+                                                   "llvm.x86.avx2.pmadd.wd")
+
+        def load(addr, offset, t, count):                # unaligned load of `count` lanes of type t
+            p = builder.inttoptr(builder.add(addr, ir.Constant(i64, offset)), vec(t, count).as_pointer())
+            return builder.load(p, align=1)
+
+        def splat(value, count):
+            return ir.Constant(vec(i8, count), [value] * count)
+
+        def lanes(v, count):                             # sum of the int32 lanes (a tree of shuffles and adds)
+            f = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vec(i32, count)]),
+                                               f"llvm.vector.reduce.add.v{count}i32")
+            return builder.call(f, [v])
+
+        scales_mins = load(w, 0, i8, 16)
+        sc = builder.zext(builder.and_(scales_mins, splat(15, 16)), vec(i16, 16))
+        mins = builder.zext(builder.lshr(scales_mins, splat(4, 16)), vec(i16, 16))
+        summs = lanes(builder.call(pmaddwd16, [mins, load(bs, 0, i16, 16)]), 8)
+        acc = ir.Constant(vec(i32, n // 4), None)
+        for h in range(0, 64, n):                        # 256 bits: the two halves in turn; 512: both at once
+            q = load(w, 16 + h, i8, n)
+            for j in range(4):                           # 2-bit field j of each byte: values 32j + l (+128)
+                codes = builder.and_(builder.lshr(q, splat(2 * j, n)), splat(3, n))
+                ys = [load(y, 4 * h + 128 * k + 32 * j, i8, 32) for k in range(n // 32)]
+                yv = ys[0] if n == 32 else builder.shuffle_vector(ys[0], ys[1], ir.Constant(vec(i32, 64), list(range(64))))
+                pairs = builder.call(pmaddubsw, [codes, yv])     # int16: q_e y_e + q_e+1 y_e+1
+                groups = [4 * h // 16 + 8 * k + 2 * j for k in range(n // 32)]  # scale group of lanes 0-7 per half
+                mask = [g + m for g in groups for m in (0, 1) for _ in range(8)]
+                scale = builder.shuffle_vector(sc, sc, ir.Constant(vec(i32, n // 2), mask))
+                acc = builder.add(acc, builder.call(pmaddwd, [pairs, scale]))
+        return context.make_tuple(builder, sig.return_type, [lanes(acc, n // 4), summs])
+
+    def typer(typingctx, w_addr, y_addr, bs_addr):
+        return types.UniTuple(types.int32, 2)(types.intp, types.intp, types.intp), codegen
+    typer.__name__ = typer.__qualname__ = f"_q2_K_block_{bits}"
+    return intrinsic(typer)
+
+
+_q2_K_block_avx2 = _q2_K_block_intrinsic(256)
+_q2_K_block_avx512 = _q2_K_block_intrinsic(512)
+
+
+@njit(parallel=True, cache=True)
+def q2_K_avx2_kernel(w, yq, yd, ybs, lut, out):
+    """As q2_K_kernel (yq int8 here, each array's rows contiguous), each block by AVX2 byte dot products.
+    Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
+    nb = w.shape[1] // 84
+    for r in prange(w.shape[0]):
+        wr = w.ctypes.data + r * w.strides[0]            # addresses of row r and token t's values and bsums
+        for t in range(yq.shape[0]):
+            yr, br = yq.ctypes.data + t * yq.strides[0], ybs.ctypes.data + t * ybs.strides[0]
+            acc = np.float32(0.0)
+            for b in range(nb):
+                isum, summs = _q2_K_block_avx2(wr + 84 * b, yr + 256 * b, br + 32 * b)
+                dall = yd[t, b] * _f16(lut, w, r, 84 * b + 80)
+                dmin = yd[t, b] * _f16(lut, w, r, 84 * b + 82)
+                acc += dall * np.float32(isum) - dmin * np.float32(summs)
+            out[t, r] = acc
+
+
+@njit(parallel=True, cache=True)
+def q2_K_avx512_kernel(w, yq, yd, ybs, lut, out):
+    """As q2_K_avx2_kernel, with 512-bit vectors (AVX-512BW). Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
+    nb = w.shape[1] // 84
+    for r in prange(w.shape[0]):
+        wr = w.ctypes.data + r * w.strides[0]            # addresses of row r and token t's values and bsums
+        for t in range(yq.shape[0]):
+            yr, br = yq.ctypes.data + t * yq.strides[0], ybs.ctypes.data + t * ybs.strides[0]
+            acc = np.float32(0.0)
+            for b in range(nb):
+                isum, summs = _q2_K_block_avx512(wr + 84 * b, yr + 256 * b, br + 32 * b)
+                dall = yd[t, b] * _f16(lut, w, r, 84 * b + 80)
+                dmin = yd[t, b] * _f16(lut, w, r, 84 * b + 82)
+                acc += dall * np.float32(isum) - dmin * np.float32(summs)
+            out[t, r] = acc
+
+
+def q2_K_simd_kernels() -> list:
+    """The byte-dot Q2_K kernels the host CPU runs, widest first (empty: use q2_K_kernel), from llvmlite's
+    host features. Needs numba to compile for the host (NUMBA_CPU_NAME unset): a generic target may lack
+    the instructions. Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1772) (which picks its NEON path at compile time)"""
+    if config.CPU_NAME not in (None, "host"):
+        return []
+    try:
+        features = _llvm_binding.get_host_cpu_features()
+    except RuntimeError:                                 # llvmlite cannot read the features on some hosts
+        return []
+    return [k for k, f in ((q2_K_avx512_kernel, "avx512bw"), (q2_K_avx2_kernel, "avx2")) if features.get(f, False)]
+
+
+Q2_K_SIMD = (q2_K_simd_kernels() or [None])[0]        # NumbaBackend's choice; None: q2_K_kernel
+
+
 @njit(inline="always")
 def _iq2_xxs_row(w, r, yq, yd, t, grid, signs, lut):
     """One IQ2_XXS row of w against Q8_K activation t: (1/8) sum_b f16(d_b) d_y,b bsum_b."""
@@ -244,12 +359,16 @@ class NumbaBackend(NumpyBackend):
 
     @staticmethod
     def matvec_q2_K_q8_K(w, a) -> np.ndarray:
-        """As ds4ref.matvec.matvec_q2_K_q8_K, by q2_K_kernel. Mirrors ds4.c: matvec_q2_k_worker (l. 3972)"""
+        """As ds4ref.matvec.matvec_q2_K_q8_K, by Q2_K_SIMD where the CPU has byte dot products, else q2_K_kernel.
+        Mirrors ds4.c: matvec_q2_k_worker (l. 3972)"""
         raw = _rows(w, Q2_K)
         (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, Q2_K))
         out = _out(len(yq), raw.shape[0])
-        # the int8 activation, widened to int16 once for all rows: the kernel then reads it without widening
-        run_kernel(q2_K_kernel, raw, yq.astype(np.int16), yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
+        if Q2_K_SIMD is not None:                        # byte dot products on the int8 activation as it is
+            run_kernel(Q2_K_SIMD, raw, np.ascontiguousarray(yq), yd, np.ascontiguousarray(ybs), F16_TO_F32, out,
+                       rows=raw.shape[0])
+        else:   # the int8 activation, widened to int16 once for all rows: the kernel then reads it without widening
+            run_kernel(q2_K_kernel, raw, yq.astype(np.int16), yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
         return out.reshape(lead + (raw.shape[0],))
 
     @staticmethod

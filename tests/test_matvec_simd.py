@@ -1,0 +1,84 @@
+"""Chapter 03, the Q2_K byte-dot kernels (numba intrinsics on x86 SIMD): the same bits as q2_K_kernel, and the
+fallback to q2_K_kernel where the CPU lacks the instructions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from llvmlite import binding as llvm
+
+import ds4ref.numba_kernels as nk
+from ds4ref.backend import NUMPY
+from ds4ref.matvec import weight_rows
+from ds4ref.quant import Q2_K, Q8KAct, quantize_q8_K
+
+KERNELS = nk.q2_K_simd_kernels()
+
+
+def plain(raw, a: Q8KAct) -> np.ndarray:
+    out = np.empty((len(a.qs), raw.shape[0]), np.float32)
+    nk.run_kernel(nk.q2_K_kernel, raw, a.qs.astype(np.int16), a.d, a.bsums, nk.F16_TO_F32, out)
+    return out
+
+
+def simd(kernel, raw, a: Q8KAct) -> np.ndarray:
+    out = np.empty((len(a.qs), raw.shape[0]), np.float32)
+    nk.run_kernel(kernel, raw, np.ascontiguousarray(a.qs), a.d, np.ascontiguousarray(a.bsums), nk.F16_TO_F32, out)
+    return out
+
+
+def q2_K_rows(rng, rows: int, n: int, saturate: bool = False) -> np.ndarray:
+    """Random Q2_K rows with finite f16 d/dmin; saturate: 80% of code and scale bytes 0xFF (q=3, sc=m=15)."""
+    blocks = rng.integers(0, 256, (rows, n // 256, 84), dtype=np.uint8)
+    if saturate:
+        blocks[..., :80] = np.where(rng.random(blocks[..., :80].shape) < 0.8, np.uint8(0xFF), blocks[..., :80])
+    for o in (80, 82):
+        blocks[..., o:o + 2] = rng.uniform(-0.02, 0.02, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_simd_kernels_follow_the_host_features():
+    f = llvm.get_host_cpu_features()
+    if nk.config.CPU_NAME in (None, "host"):
+        assert (nk.q2_K_avx512_kernel in KERNELS) == bool(f.get("avx512bw", False))
+        assert (nk.q2_K_avx2_kernel in KERNELS) == bool(f.get("avx2", False))
+    assert nk.Q2_K_SIMD is (KERNELS[0] if KERNELS else None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
+def test_simd_equals_plain_kernel_on_ds4_experts(kernel, model, ops_A):
+    """The real expert-down weights against ds4's recorded Q8_K activations: the same float32 bits."""
+    _, w = model
+    p = int(ops_A["positions"][0])
+    for il in range(6):
+        lw, k = w.layers[il], f"L{il}.P{p}.q8k.ffn_down_exps"
+        a = Q8KAct(ops_A[k + ".qs"], ops_A[k + ".d"], ops_A[k + ".bsums"])        # all 6 slots at once: T = 6
+        raw = np.ascontiguousarray(weight_rows(lw.ffn_down_exps.expert(int(ops_A[f"L{il}.P{p}.exp_ids"][0])), Q2_K))
+        assert np.array_equal(simd(kernel, raw, a), plain(raw, a)), il
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
+@pytest.mark.parametrize("saturate", [False, True])
+def test_simd_equals_plain_kernel_on_extreme_blocks(kernel, saturate):
+    """Codes 3, scales 15 and activations -128 (the largest vpmaddubsw pair, -768): no saturation anywhere."""
+    rng = np.random.default_rng(7)
+    raw = q2_K_rows(rng, 37, 2048, saturate)
+    qs = np.where(rng.random((3, 2048)) < 0.8, np.int8(-128), rng.integers(-128, 128, (3, 2048), dtype=np.int8))
+    a = Q8KAct(qs, rng.uniform(0.001, 1, (3, 8)).astype(np.float32),
+               qs.reshape(3, -1, 16).astype(np.int32).sum(-1).astype(np.int16))
+    assert np.array_equal(simd(kernel, raw, a), plain(raw, a))
+
+
+def test_backend_uses_either_path_with_the_same_bits(monkeypatch):
+    """NumbaBackend with its SIMD choice, and forced onto q2_K_kernel (as on a CPU without the instructions)."""
+    rng = np.random.default_rng(3)
+    raw = q2_K_rows(rng, 600, 1024)                 # >= 512 rows: the threaded path
+    a = quantize_q8_K(rng.standard_normal((2, 1024)).astype(np.float32))
+    want = NUMPY.matvec_q2_K_q8_K(raw, a)
+    assert np.array_equal(nk.NUMBA.matvec_q2_K_q8_K(raw, a), want)
+    monkeypatch.setattr(nk, "Q2_K_SIMD", None)
+    assert np.array_equal(nk.NUMBA.matvec_q2_K_q8_K(raw, a), want)
+
+
+def test_no_simd_kernels_for_a_generic_target(monkeypatch):
+    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    assert nk.q2_K_simd_kernels() == []
