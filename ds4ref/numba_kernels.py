@@ -317,6 +317,97 @@ def iq2_xxs_pair_kernel(wg, wu, yq, yd, grid, signs, lut, out_g, out_u):
             out_u[t, r] = _iq2_xxs_row(wu, r, yq, yd, t, grid, signs, lut)
 
 
+# per sign row: 0xFF where ds4's sign table has -1, 0x00 where +1 (uint8 [128 * 8], read as 64-bit words)
+IQ2XXS_SIGN_MASKS = np.ascontiguousarray(np.where(IQ2XXS_SIGNS < 0, 0xFF, 0).astype(np.uint8))
+
+
+def _iq2_xxs_block_intrinsic():
+    """An intrinsic (w_addr, y_addr, grid_addr, mask_addr) -> int32 bsum for one IQ2_XXS block with AVX2: w_addr
+    its 64 bytes after d, y_addr its 256 int8 Q8_K values (none -128), grid_addr IQ2XXS_GRID, mask_addr
+    IQ2XXS_SIGN_MASKS. Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
+    i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+    vec = ir.VectorType
+
+    def codegen(context, builder, sig, args):
+        w, y, grid, masks = args
+        mod = builder.module
+        pmaddubsw = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i16, 16), [vec(i8, 32)] * 2),
+                                                   "llvm.x86.avx2.pmadd.ub.sw")
+        pmaddwd = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i32, 8), [vec(i16, 16)] * 2),
+                                                 "llvm.x86.avx2.pmadd.wd")
+        reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vec(i32, 8)]), "llvm.vector.reduce.add.v8i32")
+
+        def const(v):
+            return ir.Constant(i64, v)
+
+        def load(addr, offset, t):                       # unaligned load of type t at addr + offset
+            return builder.load(builder.inttoptr(builder.add(addr, offset), t.as_pointer()), align=1)
+
+        def table_rows(table, idx):                      # 4 rows of 8 bytes (row k at 8k) -> one 32-byte vector
+            v = ir.Constant(vec(i64, 4), None)
+            for lane, k in enumerate(idx):
+                v = builder.insert_element(v, load(table, builder.shl(k, const(3)), i64), ir.Constant(i32, lane))
+            return builder.bitcast(v, vec(i8, 32))
+
+        acc = ir.Constant(vec(i32, 8), None)
+        for g in range(8):                               # 32-value groups: 4 grid bytes, then a 32-bit word
+            word = builder.zext(load(w, const(8 * g + 4), i32), i64)
+            grid_idx = [builder.zext(load(w, const(8 * g + l), i8), i64) for l in range(4)]
+            sign_idx = [builder.and_(builder.lshr(word, const(7 * l)), const(127)) for l in range(4)]
+            m = table_rows(masks, sign_idx)
+            yv = load(y, const(32 * g), vec(i8, 32))
+            signed_y = builder.sub(builder.xor(yv, m), m)                 # -y where the sign is -1
+            pairs = builder.call(pmaddubsw, [table_rows(grid, grid_idx), signed_y])   # int16: g_e y'_e + g_e+1 y'_e+1
+            scale = builder.trunc(builder.add(builder.shl(builder.lshr(word, const(28)), const(1)), const(1)), i16)
+            scale = builder.insert_element(ir.Constant(vec(i16, 16), None), scale, ir.Constant(i32, 0))
+            scale = builder.shuffle_vector(scale, scale, ir.Constant(vec(i32, 16), [0] * 16))  # 2s+1 in all lanes
+            acc = builder.add(acc, builder.call(pmaddwd, [pairs, scale]))
+        return builder.call(reduce, [acc])
+
+    def typer(typingctx, w_addr, y_addr, grid_addr, mask_addr):
+        return types.int32(types.intp, types.intp, types.intp, types.intp), codegen
+    typer.__name__ = typer.__qualname__ = "_iq2_xxs_block_256"
+    return intrinsic(typer)
+
+
+_iq2_xxs_block_avx2 = _iq2_xxs_block_intrinsic()
+
+
+@njit(parallel=True, cache=True)
+def iq2_xxs_pair_avx2_kernel(wg, wu, yq, yd, grid, masks, lut, out_g, out_u):
+    """As iq2_xxs_pair_kernel (masks: IQ2XXS_SIGN_MASKS; yq int8 in [-127, 127]; each array's rows contiguous),
+    each block by AVX2 byte dot products. Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
+    ga, ma = grid.ctypes.data, masks.ctypes.data
+    for r in prange(wg.shape[0]):
+        gr, ur = wg.ctypes.data + r * wg.strides[0], wu.ctypes.data + r * wu.strides[0]
+        for t in range(yq.shape[0]):
+            yr = yq.ctypes.data + t * yq.strides[0]
+            acc_g, acc_u = np.float32(0.0), np.float32(0.0)
+            for b in range(wg.shape[1] // 66):
+                o = b * 66 + 2                           # the block's bytes after its f16 d
+                bsum_g = _iq2_xxs_block_avx2(gr + o, yr + 256 * b, ga, ma)
+                bsum_u = _iq2_xxs_block_avx2(ur + o, yr + 256 * b, ga, ma)
+                acc_g += (_f16(lut, wg, r, o - 2) * yd[t, b]) * np.float32(bsum_g)
+                acc_u += (_f16(lut, wu, r, o - 2) * yd[t, b]) * np.float32(bsum_u)
+            out_g[t, r] = np.float32(0.125) * acc_g
+            out_u[t, r] = np.float32(0.125) * acc_u
+
+
+def iq2_xxs_simd_kernels() -> list:
+    """The byte-dot IQ2_XXS pair kernels the host CPU runs (empty: use iq2_xxs_pair_kernel), as q2_K_simd_kernels.
+    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978) (portable C in ds4.c)"""
+    if config.CPU_NAME not in (None, "host"):
+        return []
+    try:
+        features = _llvm_binding.get_host_cpu_features()
+    except RuntimeError:
+        return []
+    return [iq2_xxs_pair_avx2_kernel] if features.get("avx2", False) else []
+
+
+IQ2_XXS_SIMD = (iq2_xxs_simd_kernels() or [None])[0]  # NumbaBackend's choice; None: iq2_xxs_pair_kernel
+
+
 def _out(n_tok: int, rows: int) -> np.ndarray:
     return np.empty((n_tok, rows), np.float32)
 
@@ -382,7 +473,8 @@ class NumbaBackend(NumpyBackend):
 
     @staticmethod
     def matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
-        """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K, by iq2_xxs_pair_kernel.
+        """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K, by IQ2_XXS_SIMD where the CPU has byte dot products, else
+        iq2_xxs_pair_kernel.
 
         Mirrors ds4.c: matvec_iq2_xxs_pair_worker (l. 3836)"""
         g_raw, u_raw = _rows(w_gate, IQ2_XXS), _rows(w_up, IQ2_XXS)
@@ -390,8 +482,12 @@ class NumbaBackend(NumpyBackend):
             raise MatvecError(f"IQ2_XXS pair: gate {g_raw.shape} and up {u_raw.shape} do not match")
         (yq, yd, _), lead = q8_K_fields(a, row_elements(g_raw, IQ2_XXS))
         g, u = _out(len(yq), g_raw.shape[0]), _out(len(yq), g_raw.shape[0])
-        run_kernel(iq2_xxs_pair_kernel, g_raw, u_raw, yq, yd, IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, g, u,
-                   rows=g_raw.shape[0])
+        if IQ2_XXS_SIMD is not None and not (yq == -128).any():   # the byte path negates int8 activations
+            run_kernel(IQ2_XXS_SIMD, g_raw, u_raw, np.ascontiguousarray(yq), yd, IQ2XXS_GRID, IQ2XXS_SIGN_MASKS,
+                       F16_TO_F32, g, u, rows=g_raw.shape[0])
+        else:
+            run_kernel(iq2_xxs_pair_kernel, g_raw, u_raw, yq, yd, IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, g, u,
+                       rows=g_raw.shape[0])
         shape = lead + (g_raw.shape[0],)
         return g.reshape(shape), u.reshape(shape)
 

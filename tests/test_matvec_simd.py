@@ -82,3 +82,95 @@ def test_backend_uses_either_path_with_the_same_bits(monkeypatch):
 def test_no_simd_kernels_for_a_generic_target(monkeypatch):
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
     assert nk.q2_K_simd_kernels() == []
+
+
+# IQ2_XXS: the byte-dot pair kernel against the portable iq2_xxs_pair_kernel
+from ds4ref.quant import IQ2_XXS  # noqa: E402
+
+IQ2_KERNELS = nk.iq2_xxs_simd_kernels()
+
+
+def iq2_pair(kernel, signs, wg, wu, a: Q8KAct):
+    g, u = (np.empty((len(a.qs), wg.shape[0]), np.float32) for _ in range(2))
+    nk.run_kernel(kernel, wg, wu, np.ascontiguousarray(a.qs), a.d, nk.IQ2XXS_GRID, signs, nk.F16_TO_F32, g, u)
+    return g, u
+
+
+def iq2_xxs_rows(rng, rows: int, n: int) -> np.ndarray:
+    """Random IQ2_XXS rows (every grid index, sign index and scale) with finite f16 d."""
+    blocks = rng.integers(0, 256, (rows, n // 256, 66), dtype=np.uint8)
+    blocks[..., :2] = rng.uniform(-0.02, 0.02, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_sign_masks_are_the_sign_table():
+    assert nk.IQ2XXS_SIGN_MASKS.shape == (1024,) and nk.IQ2XXS_SIGN_MASKS.dtype == np.uint8
+    assert np.array_equal(nk.IQ2XXS_SIGN_MASKS.view(np.int8), np.where(nk.IQ2XXS_SIGNS < 0, -1, 0))
+    assert set(np.unique(nk.IQ2XXS_GRID)) == {8, 25, 43}         # vpmaddubsw pairs <= 2 * 43 * 127
+
+
+def test_q8_K_codes_never_reach_minus_128():
+    """The byte path negates activations: quantize_q8_K must stay within [-127, 127], even at the extremes."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((64, 1024)).astype(np.float32) * np.float32(1e3)
+    x[:, ::7] = -np.abs(x[:, ::7])
+    x[0, :] = -1.0                                              # all at the negative maximum
+    x[1, :] = np.float32(3.4e38) * np.sign(rng.standard_normal(1024)).astype(np.float32)
+    qs = quantize_q8_K(x).qs
+    assert qs.min() == -127 and qs.max() == 127
+
+
+@pytest.mark.parametrize("kernel", IQ2_KERNELS, ids=lambda k: k.__name__)
+def test_iq2_simd_equals_plain_kernel_on_ds4_experts(kernel, model, ops_A):
+    """The real expert gate/up weights against ds4's recorded Q8_K activations: the same float32 bits."""
+    _, w = model
+    p = int(ops_A["positions"][0])
+    for il in range(6):
+        lw, k = w.layers[il], f"L{il}.P{p}.q8k.ffn_gate_up_exps"
+        a = Q8KAct(ops_A[k + ".qs"].reshape(1, -1), ops_A[k + ".d"].reshape(1, -1), ops_A[k + ".bsums"].reshape(1, -1))
+        e = int(ops_A[f"L{il}.P{p}.exp_ids"][0])
+        wg = np.ascontiguousarray(weight_rows(lw.ffn_gate_exps.expert(e), IQ2_XXS))
+        wu = np.ascontiguousarray(weight_rows(lw.ffn_up_exps.expert(e), IQ2_XXS))
+        got, want = iq2_pair(kernel, nk.IQ2XXS_SIGN_MASKS, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, nk.IQ2XXS_SIGNS, wg, wu, a)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), il
+
+
+@pytest.mark.parametrize("kernel", IQ2_KERNELS, ids=lambda k: k.__name__)
+def test_iq2_simd_equals_plain_kernel_on_extreme_blocks(kernel):
+    """All grid/sign indices and scales 0..15, activations +-127 (the largest pairs, 2 * 43 * 127): same bits."""
+    rng = np.random.default_rng(5)
+    wg, wu = iq2_xxs_rows(rng, 41, 2048), iq2_xxs_rows(rng, 41, 2048)
+    blocks = wu.reshape(41, -1, 66)                # 80% of wu's index/sign/scale bytes 0xFF: scale 15, sign row 127
+    blocks[..., 2:] = np.where(rng.random(blocks[..., 2:].shape) < 0.8, np.uint8(0xFF), blocks[..., 2:])
+    qs = np.where(rng.random((3, 2048)) < 0.8, np.int8(127) * rng.choice(np.int8([-1, 1]), (3, 2048)),
+                  rng.integers(-127, 128, (3, 2048), dtype=np.int8)).astype(np.int8)
+    a = Q8KAct(qs, rng.uniform(0.001, 1, (3, 8)).astype(np.float32),
+               qs.reshape(3, -1, 16).astype(np.int32).sum(-1).astype(np.int16))
+    got, want = iq2_pair(kernel, nk.IQ2XXS_SIGN_MASKS, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, nk.IQ2XXS_SIGNS, wg, wu, a)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def test_iq2_backend_uses_either_path_with_the_same_bits(monkeypatch):
+    """NumbaBackend's IQ2_XXS pair with its SIMD choice, forced onto the portable kernel, and with a -128 code
+    (which the byte path cannot negate: the backend routes it to the portable kernel)."""
+    rng = np.random.default_rng(4)
+    wg, wu = iq2_xxs_rows(rng, 600, 1024), iq2_xxs_rows(rng, 600, 1024)
+    a = quantize_q8_K(rng.standard_normal((2, 1024)).astype(np.float32))
+    odd = Q8KAct(a.qs.copy(), a.d, a.bsums)
+    odd.qs[1, 5] = -128
+    for act in (a, odd):
+        want = NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
+        got = nk.NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    monkeypatch.setattr(nk, "IQ2_XXS_SIMD", None)
+    got = nk.NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
+    assert np.array_equal(got[0], NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, a)[0])
+
+
+def test_iq2_simd_follows_the_host_features(monkeypatch):
+    f = llvm.get_host_cpu_features()
+    if nk.config.CPU_NAME in (None, "host"):
+        assert (nk.iq2_xxs_pair_avx2_kernel in IQ2_KERNELS) == bool(f.get("avx2", False))
+    assert nk.IQ2_XXS_SIMD is (IQ2_KERNELS[0] if IQ2_KERNELS else None)
+    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    assert nk.iq2_xxs_simd_kernels() == []
