@@ -25,15 +25,17 @@ def run_kernel(kernel, *args, rows: int | None = None, min_rows: int = 512) -> N
     numba leaves SLP off by default; without it the fully unrolled 32-wide int8 dots stay scalar (~4x slower).
     Like ds4.c, a kernel over fewer than `min_rows` output `rows` runs on the calling thread alone: waking
     the other threads costs more than it saves. Mirrors ds4.c: ds4_parallel_for_min_rows (l. 736)"""
-    old_slp, old_threads = config.SLP_VECTORIZE, get_num_threads()
+    old_slp, old_threads = config.SLP_VECTORIZE, None
     config.SLP_VECTORIZE = 1
     if rows is not None and rows < min_rows:
+        old_threads = get_num_threads()
         set_num_threads(1)
     try:
         kernel(*args)
     finally:
         config.SLP_VECTORIZE = old_slp
-        set_num_threads(old_threads)
+        if old_threads is not None:
+            set_num_threads(old_threads)
 
 
 @njit(inline="always")
@@ -175,17 +177,20 @@ def _q2_K_block_intrinsic(bits: int):
     """An intrinsic (w_addr, y_addr, bs_addr) -> (isum, summs) int32 for one Q2_K block, with `bits`-wide
     vectors (256: AVX2, 512: AVX-512BW): w_addr the 84 block bytes, y_addr its 256 int8 Q8_K values,
     bs_addr its 16 int16 bsums. Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1772, the vdotq_s32 path)"""
-    n = bits // 8                                        # code bytes per register: one or both 32-byte halves
+    n = bits // 8                                        # code bytes per register: one shift (256) or two (512)
     madd_ub = {256: "llvm.x86.avx2.pmadd.ub.sw", 512: "llvm.x86.avx512.pmaddubs.w.512"}[bits]
     madd_wd = {256: "llvm.x86.avx2.pmadd.wd", 512: "llvm.x86.avx512.pmaddw.d.512"}[bits]
+    shuf_b = {256: "llvm.x86.avx2.pshuf.b", 512: "llvm.x86.avx512.pshuf.b.512"}[bits]
     i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
     vec = ir.VectorType
+    S = n // 32                                          # shifts j per register
 
     def codegen(context, builder, sig, args):
         w, y, bs = args
         mod = builder.module
         pmaddubsw = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i16, n // 2), [vec(i8, n)] * 2), madd_ub)
         pmaddwd = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i32, n // 4), [vec(i16, n // 2)] * 2), madd_wd)
+        pshufb = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i8, n), [vec(i8, n)] * 2), shuf_b)
         pmaddwd16 = cgutils.get_or_insert_function(mod, ir.FunctionType(vec(i32, 8), [vec(i16, 16)] * 2),
                                                    "llvm.x86.avx2.pmadd.wd")
 
@@ -193,8 +198,11 @@ def _q2_K_block_intrinsic(bits: int):
             p = builder.inttoptr(builder.add(addr, ir.Constant(i64, offset)), vec(t, count).as_pointer())
             return builder.load(p, align=1)
 
-        def splat(value, count):
-            return ir.Constant(vec(i8, count), [value] * count)
+        def const(t, values):
+            return ir.Constant(vec(t, len(values)), values)
+
+        def repeat(v, count, times):                     # the `count` lanes of v, `times` times over
+            return builder.shuffle_vector(v, v, const(i32, list(range(count)) * times))
 
         def lanes(v, count):                             # sum of the int32 lanes (a tree of shuffles and adds)
             f = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [vec(i32, count)]),
@@ -202,20 +210,20 @@ def _q2_K_block_intrinsic(bits: int):
             return builder.call(f, [v])
 
         scales_mins = load(w, 0, i8, 16)
-        sc = builder.zext(builder.and_(scales_mins, splat(15, 16)), vec(i16, 16))
-        mins = builder.zext(builder.lshr(scales_mins, splat(4, 16)), vec(i16, 16))
+        sc = repeat(builder.and_(scales_mins, const(i8, [15] * 16)), 16, n // 16)   # the 16 scales in each 16 bytes
+        mins = builder.zext(builder.lshr(scales_mins, const(i8, [4] * 16)), vec(i16, 16))
         summs = lanes(builder.call(pmaddwd16, [mins, load(bs, 0, i16, 16)]), 8)
         acc = ir.Constant(vec(i32, n // 4), None)
-        for h in range(0, 64, n):                        # 256 bits: the two halves in turn; 512: both at once
-            q = load(w, 16 + h, i8, n)
-            for j in range(4):                           # 2-bit field j of each byte: values 32j + l (+128)
-                codes = builder.and_(builder.lshr(q, splat(2 * j, n)), splat(3, n))
-                ys = [load(y, 4 * h + 128 * k + 32 * j, i8, 32) for k in range(n // 32)]
-                yv = ys[0] if n == 32 else builder.shuffle_vector(ys[0], ys[1], ir.Constant(vec(i32, 64), list(range(64))))
-                pairs = builder.call(pmaddubsw, [codes, yv])     # int16: q_e y_e + q_e+1 y_e+1
-                groups = [4 * h // 16 + 8 * k + 2 * j for k in range(n // 32)]  # scale group of lanes 0-7 per half
-                mask = [g + m for g in groups for m in (0, 1) for _ in range(8)]
-                scale = builder.shuffle_vector(sc, sc, ir.Constant(vec(i32, n // 2), mask))
+        for h in range(2):                               # the two 32-byte halves of the codes
+            q = builder.bitcast(repeat(load(w, 16 + 32 * h, i8, 32), 32, S), vec(i16, n // 2))
+            for j0 in range(0, 4, S):                    # 2-bit fields j0 .. j0+S-1 of each byte: values 128h + 32j + l
+                # shifted as 16-bit lanes: the bits that cross in from the high byte are masked off by & 3
+                shifts = const(i16, [2 * (j0 + c) for c in range(S) for _ in range(16)])
+                codes = builder.and_(builder.bitcast(builder.lshr(q, shifts), vec(i8, n)), const(i8, [3] * n))
+                pairs = builder.call(pmaddubsw, [codes, load(y, 128 * h + 32 * j0, i8, n)])  # int16: q_e y_e + q_e+1 y_e+1
+                g = 8 * h + 2 * j0                       # scale group of int16 lanes 0-7; +1 for each 8 lanes on
+                picks = const(i8, [b for m in range(2 * S) for _ in range(8) for b in (g + m, -128)])  # -128: a 0 byte
+                scale = builder.bitcast(builder.call(pshufb, [sc, picks]), vec(i16, n // 2))
                 acc = builder.add(acc, builder.call(pmaddwd, [pairs, scale]))
         return context.make_tuple(builder, sig.return_type, [lanes(acc, n // 4), summs])
 
