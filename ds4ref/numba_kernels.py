@@ -10,7 +10,7 @@ from numba import config, get_num_threads, njit, prange, set_num_threads
 
 from ds4ref.backend import NumpyBackend
 from ds4ref.matvec import (MatvecError, q8_0_fields, q8_K_fields, row_elements, weight_rows)
-from ds4ref.quant import F16, IQ2_XXS, Q2_K, Q4_K, Q8_0, iq2xxs_grid, iq2xxs_signs, quantize_q8_0
+from ds4ref.quant import F16, IQ2_XXS, Q2_K, Q4_K, Q8_0, iq2xxs_grid, iq2xxs_signs
 
 # f16 bit pattern -> float32, so kernels can read f16 scales straight from the bytes (numba has no float16)
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -437,10 +437,6 @@ class NumbaBackend(NumpyBackend):
         out = _out(len(xq), raw.shape[0])
         run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=raw.shape[0])
         return out.reshape(lead + (raw.shape[0],))
-
-    def matvec_q8_0(self, w, x) -> np.ndarray:
-        """Quantize x to Q8_0, then the kernel. Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
-        return self.matvec_q8_0_prequant(w, quantize_q8_0(x))
 
     @staticmethod
     def matvec_f16(w, x) -> np.ndarray:

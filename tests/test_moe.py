@@ -375,7 +375,8 @@ def test_expert_matvecs_are_routed_through_the_backend(model, ops_A):
     out = layer_ffn_one(cfg, W.layers[3], X, token_at(ops_A, 4), be=be)
     assert np.array_equal(out, layer_ffn_one(cfg, W.layers[3], X, token_at(ops_A, 4)))
     assert be.calls["matvec_iq2_xxs_pair_q8_K"] == 6 and be.calls["matvec_q2_K_q8_K"] == 6
-    assert be.calls["matvec_q8_0_prequant"] == 2 and be.calls["matvec_q8_0"] == 1     # shared gate/up, down
+    # shared gate/up (prequant), and the down: matvec_q8_0, which quantizes and calls this backend's prequant
+    assert be.calls["matvec_q8_0_prequant"] == 3 and be.calls["matvec_q8_0"] == 1
     assert be.calls["matvec_f16"] >= 1                                                   # router (and HC mix)
     assert be.calls["routed_experts_mid"] == 1 and be.calls["routed_experts_down"] == 1  # the two fused calls
     be.calls.clear()

@@ -11,7 +11,7 @@ from ds4ref.attention import attention_rows as attention_rows_reference
 from ds4ref.backend import NumpyBackend
 from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
-from ds4ref.quant import iq2xxs_grid, quantize_q8_0
+from ds4ref.quant import iq2xxs_grid
 
 KERNEL_FILES = ("matvec.cu", "layer_ops.cu")
 KERNEL_NAMES = ("matvec_q8_0_q8_0", "matvec_f16_f32", "matvec_iq2_xxs_pair_q8_K", "matvec_q2_K_q8_K",
@@ -129,10 +129,6 @@ class CupyBackend(NumpyBackend):
                           (self.resident(raw), np.int64(raw.shape[1]), np.int32(rows), np.int32(n // 32),
                            self.up(qs.reshape(T, n)), self.up(d.reshape(T, -1)), y))
         return cp.asnumpy(y).reshape(lead + (rows,))
-
-    def matvec_q8_0(self, w, x) -> np.ndarray:
-        """y = W Q8_0(x): quantize on the host exactly as ds4.c, then the integer-dot kernel. Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
-        return self.matvec_q8_0_prequant(w, quantize_q8_0(np.asarray(x, np.float32)))
 
     def matvec_f16(self, w, x) -> np.ndarray:
         """y = W x for an F16 weight and a float32 x [..., n] (not quantized). Mirrors ds4.c: matvec_f16 (l. 2841)"""

@@ -9,7 +9,7 @@ from ds4ref.attention import attention_rows as attention_rows_reference
 from ds4ref.backend import NumpyBackend
 from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
-from ds4ref.quant import iq2xxs_grid, ksigns_iq2xs, quantize_q8_0
+from ds4ref.quant import iq2xxs_grid, ksigns_iq2xs
 
 
 class MlxBackend(NumpyBackend):
@@ -70,10 +70,6 @@ class MlxBackend(NumpyBackend):
         dots = (wq[None] * xq[:, None]).sum(-1)                                   # int32 [T, rows, nb]
         y = ((wd[None] * xd[:, None]) * dots.astype(mx.float32)).sum(-1)          # [T, rows]
         return np.array(y).reshape(lead + (rows,))
-
-    def matvec_q8_0(self, w, x) -> np.ndarray:
-        """y = W Q8_0(x): the activation is quantized exactly as ds4.c, then the Q8_0 integer dots. Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
-        return self.matvec_q8_0_prequant(w, quantize_q8_0(np.asarray(x, np.float32)))
 
     def matvec_f16(self, w, x) -> np.ndarray:
         """y = W x for an F16 weight and a float32 x (not quantized). Mirrors ds4.c: matvec_f16 (l. 2841)"""
