@@ -135,3 +135,21 @@ def test_missing_rng_and_empty_logits_raise():
         sample(np.zeros(4, np.float32), 1.0)
     with pytest.raises(SamplingError, match="empty"):
         sample(np.zeros(0, np.float32), 1.0, rng=SampleRNG(1))
+
+
+@pytest.mark.parametrize("case", ["C", "A"])
+def test_draws_equal_ds4c_session_sample(case, oracle_dir):
+    """Every draw of ds4.c's own `ds4_session_sample` on the golden prompt logits, over a grid of
+    temperature x top_k x top_p x min_p x 3 seeds, 40 draws each (data/oracle/ds4c_sample.npz, recorded by
+    tools/ds4c/record.py), and the generator state after the last draw."""
+    rec = np.load(oracle_dir / "ds4c_sample.npz")
+    logits = np.load(oracle_dir / f"golden_{case}.npz")["prompt_logits"]
+    params, seeds = rec["params"], rec["seeds"]
+    draws, rng_after = rec[f"{case}.draws"], rec[f"{case}.rng_after"]
+    assert len(params) == len(draws) == 432 and len(set(draws.ravel().tolist())) > 50
+    for row, seed, want, state in zip(params, seeds, draws, rng_after):
+        t, k, p, mp = (float(np.float32(row[0])), int(row[1]), float(np.float32(row[2])), float(np.float32(row[3])))
+        rng = SampleRNG(int(seed))
+        got = [sample(logits, t, k, p, mp, rng) for _ in range(int(row[6]))]
+        assert got == want.tolist(), (t, k, p, mp, int(seed))
+        assert rng.state == int(state)

@@ -1,0 +1,117 @@
+"""Record ds4.c's tokenizer and sampler on the oracle model, as exact-match data for ds4ref's tests.
+
+Runs the golden build (ds4.c's Makefile flags, tools/ds4c/build.sh) through ds4c_run:
+- `ds4_tokenize_text`, `ds4_tokenize_rendered_chat` and `ds4_encode_chat_prompt` (three think modes) on
+  varied text (Chinese, emoji, code, whitespace runs, digits, full-width punctuation, specials);
+- `ds4_token_text` of every token id;
+- `ds4_session_sample` after syncing case C's and case A's prompts (so the logits are exactly the golden
+  `prompt_logits`), over a grid of temperature / top-k / top-p / min-p and seeds: every draw and the
+  generator state after the last one.
+
+    python tools/ds4c/record.py --build DIR      (DIR from build.sh with the default flags)
+writes data/oracle/ds4c_tokenizer.json and data/oracle/ds4c_sample.npz.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+ORACLE = ROOT / "data" / "oracle"
+MODEL = ORACLE / "dev_seed1.gguf"
+
+TEXTS = [
+    "Hello world, the answer is 12345!",
+    "    int main(void) {\n\treturn 0;\n}\n",
+    "def f(x):\n    return x**2  # square\n\n\nclass A: pass",
+    "中文分词测试，还有标点。 and mixed 日本語のテキスト カタカナ",
+    "全角标点！？（括号）「引号」、顿号；冒号：",
+    "emoji 😀👍🏽 ok 🇮🇹!",
+    "a  b   c\n\n\n  d\r\n\te\t\t f",
+    "price: $3.14159 ~ 1e-10, 2024-11-30 12:00:00, 0xDEADbeef 1234567890",
+    "x = [1,2,3]; y=x.append(4)\r\n",
+    "Ünïcödé àccents — “quotes” ‘single’ naïve café",
+    "   leading and trailing spaces   ",
+    "tabs\tand\u00a0nbsp\u2003em-space",
+    "<think>not special here</think> <｜User｜>",
+    "!!!???...;;;\n\n",
+    "ŁÓDŹ Ωμέγα Кириллица עברית العربية",
+    "I'm can't we'll they've O'Neil's 'quoted'",
+    "123456789 1 22 333 4444 55555",
+    "über-long-wordwithoutspaces_and_underscores__x",
+    "\n\n\n",
+    " ",
+    "a\u0301 e\u0308 combining marks",
+]
+RENDERED = [
+    "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Hi there<｜Assistant｜></think>Hello!<｜end▁of▁sentence｜>",
+    "<｜User｜>中文<｜Assistant｜><think>thinking</think>answer",
+    "plain text with no specials",
+    "｜DSML｜ tool <｜User｜><｜User｜>twice",
+]
+CHATS = [("", "Hello", "none"), ("", "Hello", "high"), ("", "Hello", "max"),
+         ("You are a poet.", "写一首诗", "none"), ("System prompt\n", "code: x=1\n", "high"), ("", "", "max")]
+
+SAMPLE_GRID = {"temperature": [0.0, 0.3, 1.0, 1.7], "top_k": [0, 1, 5, 40], "top_p": [1.0, 0.9, 0.5],
+               "min_p": [0.0, 0.05, 0.3]}
+SEEDS = [1, 12345, 0xDEADBEEFCAFEF00D]
+N_DRAWS = 40
+
+
+def run(build: Path, mode: str, a: str, b: str, out: Path) -> bytes:
+    subprocess.run([str(build / "ds4c_run"), str(MODEL), mode, a, b, str(out)], check=True, capture_output=True)
+    return out.read_bytes()
+
+
+def id_lists(raw: bytes) -> list[list[int]]:
+    a, out, i = np.frombuffer(raw, "<i4"), [], 0
+    while i < len(a):
+        out.append(a[i + 1: i + 1 + a[i]].tolist())
+        i += 1 + a[i]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", type=Path, required=True)
+    build = ap.parse_args().build
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")
+        (t / "rendered").write_bytes(b"\0".join(s.encode() for s in RENDERED) + b"\0")
+        (t / "chats").write_bytes(b"".join(b"\0".join(x.encode() for x in c) + b"\0" for c in CHATS))
+        tok = {"texts": TEXTS, "tokenize": id_lists(run(build, "tokenize", str(t / "texts"), "-", t / "o")),
+               "rendered": RENDERED, "rendered_ids": id_lists(run(build, "rendered", str(t / "rendered"), "-", t / "o")),
+               "chats": [list(c) for c in CHATS], "chat_ids": id_lists(run(build, "chat", str(t / "chats"), "-", t / "o"))}
+        raw, vocab, i = run(build, "vocab", "-", "-", t / "o"), [], 0
+        while i < len(raw):
+            n = int(np.frombuffer(raw[i:i + 4], "<i4")[0])
+            vocab.append(raw[i + 4:i + 4 + n].hex())
+            i += 4 + n
+        tok["token_text_hex"] = vocab
+        tok["source"] = "ds4.c 8d57664 (golden build) via tools/ds4c/record.py on data/oracle/dev_seed1.gguf"
+        (ORACLE / "ds4c_tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False, indent=0) + "\n")
+
+        rows = list(itertools.product(*SAMPLE_GRID.values(), SEEDS))
+        params = np.array([[tp, k, p, mp, s & 0xFFFFFFFF, s >> 32, N_DRAWS] for tp, k, p, mp, s in rows], np.float64)
+        (t / "params").write_bytes(params.astype("<f8").tobytes())
+        out = {"params": params, "seeds": np.array([s for *_, s in rows], np.uint64)}
+        for case in "CA":
+            g = np.load(ORACLE / f"golden_{case}.npz")
+            (t / "ids").write_bytes(g["prompt_ids"].astype("<i4").tobytes())
+            raw = run(build, "sample", str(t / "ids"), str(t / "params"), t / "o")
+            per = np.frombuffer(raw, np.uint8).reshape(len(rows), 4 * N_DRAWS + 8)
+            out[f"{case}.draws"] = per[:, :4 * N_DRAWS].copy().view("<i4")
+            out[f"{case}.rng_after"] = per[:, 4 * N_DRAWS:].copy().view("<u8").ravel()
+        np.savez_compressed(ORACLE / "ds4c_sample.npz", **out)
+    print("wrote", ORACLE / "ds4c_tokenizer.json", "and", ORACLE / "ds4c_sample.npz")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Write a copy of ds4.c whose fixed shape matches a GGUF (for building tiny/wide oracles locally).
+
+ds4.c names its model shape in one enum (DS4_N_LAYER = 43, ...) and, at commit 8d57664, also hard-codes
+the q-LoRA rank 1024, the o-LoRA rank 1024 and the output group count 8 as literals in the CPU path.
+This script rewrites the enum values from the GGUF's metadata (read with ds4ref.config) and replaces
+those literals with the enum names, the same edit data/oracle/README.md describes. It edits nothing else
+and checks that every pattern it relies on was found, so a newer ds4.c fails loudly instead of silently.
+
+    python tools/ds4c/shape_patch.py [--log-experts] PATH/TO/ds4.c MODEL.gguf OUT.c
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from ds4ref.config import ModelConfig
+from ds4ref.gguf import GGUFFile
+
+ENUM = {  # ds4.c enum name -> ModelConfig field
+    "DS4_N_LAYER": "n_layer", "DS4_N_EMBD": "n_embd", "DS4_N_VOCAB": "n_vocab", "DS4_N_HEAD": "n_head",
+    "DS4_N_HEAD_KV": "n_head_kv", "DS4_N_HEAD_DIM": "head_dim", "DS4_N_VALUE_DIM": "value_dim",
+    "DS4_N_ROT": "n_rot", "DS4_N_OUT_GROUP": "n_out_group", "DS4_N_LORA_Q": "n_lora_q",
+    "DS4_N_LORA_O": "n_lora_o", "DS4_N_EXPERT": "n_expert", "DS4_N_EXPERT_USED": "n_expert_used",
+    "DS4_N_EXPERT_SHARED": "n_expert_shared", "DS4_N_FF_EXP": "n_ff_exp", "DS4_N_HASH_LAYER": "n_hash_layer",
+    "DS4_N_SWA": "n_swa", "DS4_N_INDEXER_HEAD": "n_indexer_head", "DS4_N_INDEXER_HEAD_DIM": "indexer_head_dim",
+    "DS4_N_INDEXER_TOP_K": "indexer_top_k", "DS4_N_HC": "n_hc", "DS4_N_HC_SINKHORN_ITER": "hc_sinkhorn_iter",
+}
+
+# (regex, replacement, expected number of matches at commit 8d57664)
+LITERALS = [
+    (r"xmalloc\(1024 \* sizeof", "xmalloc(DS4_N_LORA_Q * sizeof", 6),            # qr / qr_norm buffers
+    (r"\(size_t\)n_tok \* 1024 \*", "(size_t)n_tok * DS4_N_LORA_Q *", 2),       # batch qr / qr_norm
+    (r"\(uint64_t\)t \* 1024\b", "(uint64_t)t * DS4_N_LORA_Q", 3),             # batch strides
+    (r"q_a_norm, 1024, DS4_RMS_EPS", "q_a_norm, DS4_N_LORA_Q, DS4_RMS_EPS", 3),  # q-LoRA RMSNorm length
+    (r"(q_a_norm,\n\s+)1024,", r"\1DS4_N_LORA_Q,", 1),                          # the batch RMSNorm call
+    (r"const uint32_t rank = 1024;", "const uint32_t rank = DS4_N_LORA_O;", 3),
+    (r"const uint32_t n_groups = 8;", "const uint32_t n_groups = DS4_N_OUT_GROUP;", 3),
+]
+
+
+# Optional instrumentation (--log-experts): append every biased top-k expert choice to the file named by
+# $DS4C_EXPERT_LOG, as 6 int32 ids per call, in call order. Nothing else in the computation changes.
+EXPERT_SELECT = "topk_desc(selection, DS4_N_EXPERT, DS4_N_EXPERT_USED, selected);"
+EXPERT_LOG = (EXPERT_SELECT + " { static FILE *ds4c_log; const char *ds4c_path = getenv(\"DS4C_EXPERT_LOG\");"
+              " if (ds4c_path && !ds4c_log) ds4c_log = fopen(ds4c_path, \"wb\");"
+              " if (ds4c_log) { fwrite(selected, sizeof(int), DS4_N_EXPERT_USED, ds4c_log); fflush(ds4c_log); } }")
+
+
+def patch(src: str, cfg: ModelConfig, log_experts: bool = False) -> str:
+    for name, field in ENUM.items():
+        src, n = re.subn(rf"(\n\s+{name}\s+= )\d+,", rf"\g<1>{getattr(cfg, field)},", src, count=1)
+        if n != 1:
+            raise SystemExit(f"shape_patch: enum entry {name} not found; is this ds4.c at commit 8d57664?")
+    for pat, rep, want in LITERALS:
+        src, n = re.subn(pat, rep, src)
+        if n != want:
+            raise SystemExit(f"shape_patch: pattern {pat!r} matched {n} times, expected {want}")
+    if log_experts:
+        if src.count(EXPERT_SELECT) != 1:
+            raise SystemExit("shape_patch: the biased top-k expert selection call was not found")
+        src = src.replace(EXPERT_SELECT, EXPERT_LOG)
+    return src
+
+
+def main(argv: list[str]) -> None:
+    log_experts = "--log-experts" in argv
+    argv = [a for a in argv if a != "--log-experts"]
+    if len(argv) != 3:
+        raise SystemExit(__doc__)
+    ds4_c, model, out = map(Path, argv)
+    with GGUFFile(model) as g:
+        cfg = ModelConfig.from_gguf(g)
+    out.write_text(patch(ds4_c.read_text(), cfg, log_experts))
+    print(f"shape_patch: wrote {out} for n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_vocab={cfg.n_vocab}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
