@@ -109,6 +109,27 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
             "decode_s_per_token_min": min(per), "profile": decode_profile(s, tok, max(1, min(steps, 3)))}
 
 
+def bench_ds4c(exe: Path, path, prompt: list[int], steps: int, threads: int) -> dict:
+    """Time the real ds4.c on the same model and prompt: `exe` is tools/ds4c's `ds4c_run`, built for this
+    model's shape by `tools/ds4c/build.sh` (ds4.c's Makefile flags). It warms up, times `ds4_session_sync`
+    of `prompt`, then `steps` greedy `ds4_session_eval`s, like `bench_backend`.
+
+    Mirrors ds4.c: nothing (benchmark harness around ds4.h)"""
+    import subprocess
+    import tempfile
+    exe = Path(exe) / "ds4c_run" if Path(exe).is_dir() else Path(exe)     # build.sh's OUTDIR or the binary
+    with tempfile.TemporaryDirectory() as tmp:
+        ids, out = Path(tmp) / "ids.bin", Path(tmp) / "out.txt"
+        ids.write_bytes(np.asarray(prompt, "<i4").tobytes())
+        subprocess.run([str(exe), str(path), "bench", str(ids), str(steps), str(out)], check=True,
+                       capture_output=True, env=dict(os.environ, DS4C_THREADS=str(threads)))
+        prefill_s, med, fastest = (float(x) for x in out.read_text().split())
+    return {"backend": "ds4.c", "label": f"ds4.c {threads}t", "threads": threads, "prompt_tokens": len(prompt),
+            "prefill_s": prefill_s, "prefill_tok_s": len(prompt) / prefill_s, "decode_steps": steps,
+            "decode_s_per_token_median": med, "decode_tok_s": 1.0 / med, "decode_s_per_token_min": fastest,
+            "profile": []}
+
+
 def decode_profile(session, tok: int, steps: int, top: int = 8) -> list:
     """Where a decode step's time goes: the `top` functions by own time over `steps` steps, as
     [function, share of the total]; the rest is summed as 'other'.
@@ -252,6 +273,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--numba-threads", default="all,1", help="numba thread counts to run, each one a row ('all': every core)")
     ap.add_argument("--cuda-kernels", action="store_true", help="benchmark the CUDA matvec kernels instead")
+    ap.add_argument("--ds4c", type=Path, default=None,
+                    help="tools/ds4c/build.sh's OUTDIR (or its ds4c_run) for the wide model: time the real ds4.c in the same run")
     args = ap.parse_args(argv)
     if args.cuda_kernels:
         from ds4ref.backends import machine_description
@@ -304,6 +327,13 @@ def main(argv=None) -> dict:
                       f"{r['decode_tok_s']:8.2f} tok/s  {r['decode_gbps']:6.2f} GB/s")
             if b == "numba":
                 set_num_threads(max(numba_threads))
+        if args.ds4c is not None and model == "wide":       # the real ds4.c, side by side in this run
+            for threads in sorted({os.cpu_count() or 1, 1}, reverse=True):
+                r = bench_ds4c(args.ds4c, path, prompt, args.steps, threads)
+                r["decode_gbps"] = entry["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
+                entry["runs"].append(r)
+                print(f"{model:8s} {r['label']:9s} prefill {r['prefill_tok_s']:8.2f} tok/s  decode "
+                      f"{r['decode_tok_s']:8.2f} tok/s  {r['decode_gbps']:6.2f} GB/s")
         results["models"][model] = entry
     results["load_average_after"] = list(os.getloadavg())     # other work on a shared machine shows here
     results["read_bandwidth_end"] = bw_end = read_bandwidth()

@@ -218,6 +218,40 @@ def test_routed_experts_match_ds4c_and_the_per_expert_reference(name, model, ops
             assert rel(moe, ref) <= 1e-6
 
 
+def test_numba_fused_expert_kernels_give_the_same_bits_on_either_path(model, ops_A, monkeypatch):
+    """The byte-dot (SIMD) fused expert kernels, where the CPU has them, against the portable fused kernels: the
+    same bits on ds4's recorded activations, and a -128 code (which the byte path cannot negate) is routed to the
+    portable mid kernel. On a CPU without AVX2 both paths are the portable kernels and this compares them."""
+    import ds4ref.backends.numba_backend as nbm
+    from ds4ref.numba_kernels import IQ2_XXS_SIMD, Q2_K_SIMD
+    assert (nbm.EXPERTS_MID_SIMD is None) == (IQ2_XXS_SIMD is None)          # chapter 03's choice decides
+    assert (nbm.EXPERTS_DOWN_SIMD is None) == (Q2_K_SIMD is None)
+    nb = get_backend("numba")
+    _, cfg, W = model
+
+    def both(fn):
+        fast = fn()
+        with monkeypatch.context() as m:
+            m.setattr(nbm, "EXPERTS_MID_SIMD", None)
+            m.setattr(nbm, "EXPERTS_DOWN_SIMD", None)
+            return fast, fn()
+
+    for il in LAYERS:
+        L = W.layers[il]
+        for p in POSITIONS:
+            K = f"L{il}.P{p}."
+            ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
+            a, ad = q8k(ops_A, K + "q8k.ffn_gate_up_exps"), q8k(ops_A, K + "q8k.ffn_down_exps")
+            fast, plain = both(lambda: nb.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, a))
+            assert np.array_equal(fast, plain), (il, p)
+            fast, plain = both(lambda: nb.routed_experts_down(L.ffn_down_exps, ids, ad))
+            assert np.array_equal(fast, plain), (il, p)
+    odd = Q8KAct(a.qs.copy(), a.d, a.bsums)
+    odd.qs.reshape(-1)[7] = -128
+    fast, plain = both(lambda: nb.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, odd))
+    assert np.array_equal(fast, plain)
+
+
 def cached_rows(ops, K):
     """ds4.c's cached rows at one dumped (layer, position): raw then compressed, the indexer mask, n_raw."""
     raw = ops[K + "cache_raw"]

@@ -14,6 +14,9 @@ from ds4ref.numba_kernels import run_kernel                         # compiles w
 # chapter 03's row kernels and tables (f16 bits -> float32; IQ2_XXS grid and signs, flat), reused by the
 # fused expert kernels below, so one row of an expert is computed exactly as a plain matvec computes it
 from ds4ref.numba_kernels import F16_TO_F32, IQ2XXS_GRID, IQ2XXS_SIGNS, _iq2_xxs_row, _q2_K_row
+# ... and its byte-dot blocks (llvmlite intrinsics; chosen from the host CPU's features, as in chapter 03)
+from ds4ref.numba_kernels import (IQ2_XXS_SIMD, IQ2XXS_SIGN_MASKS, Q2_K_SIMD, _f16, _iq2_xxs_block_avx2,
+                                  _q2_K_block_avx2, _q2_K_block_avx512, q2_K_avx2_kernel, q2_K_avx512_kernel)
 from ds4ref.quant import quantize_q8_K
 
 def prefer_workqueue_threads() -> str:
@@ -69,6 +72,70 @@ def experts_down_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
 
 
 @njit(parallel=True, cache=True)
+def experts_mid_avx2_kernel(wg, wu, ids, rows, yq, yd, weights, clamp, grid, masks, lut, mid):
+    """As experts_mid_kernel (masks: IQ2XXS_SIGN_MASKS; yq int8 in [-127, 127]), each 256-value block by
+    chapter 03's AVX2 byte-dot block, which gives the portable row's integer block sums exactly.
+    Mirrors ds4.c: matvec_iq2_xxs_mid_worker (l. 3893)"""
+    k = ids.shape[0]
+    ga, ma, yr = grid.ctypes.data, masks.ctypes.data, yq.ctypes.data
+    for job in prange(k * rows):
+        s = job // rows
+        row = np.int64(ids[s]) * rows + (job - s * rows)
+        gr, ur = wg.ctypes.data + row * wg.strides[0], wu.ctypes.data + row * wu.strides[0]
+        acc_g, acc_u = np.float32(0.0), np.float32(0.0)
+        for b in range(wg.shape[1] // 66):
+            o = b * 66 + 2                               # the block's bytes after its f16 d
+            acc_g += (_f16(lut, wg, row, o - 2) * yd[0, b]) * np.float32(_iq2_xxs_block_avx2(gr + o, yr + 256 * b, ga, ma))
+            acc_u += (_f16(lut, wu, row, o - 2) * yd[0, b]) * np.float32(_iq2_xxs_block_avx2(ur + o, yr + 256 * b, ga, ma))
+        g, u = np.float32(0.125) * acc_g, np.float32(0.125) * acc_u
+        if clamp > np.float32(1e-6):
+            g = min(g, clamp)
+            u = min(max(u, -clamp), clamp)
+        mid[s, job - s * rows] = g * _sigmoid_stable(g) * u * weights[s]
+
+
+@njit(inline="always")
+def _q2_K_row_simd(block, wd, row, yq, yd, ybs, s, lut):
+    """Row `row` of wd against Q8_K activation row s, each block by `block` (a byte-dot intrinsic)."""
+    wr = wd.ctypes.data + row * wd.strides[0]
+    yr, br = yq.ctypes.data + s * yq.strides[0], ybs.ctypes.data + s * ybs.strides[0]
+    acc = np.float32(0.0)
+    for b in range(wd.shape[1] // 84):
+        isum, summs = block(wr + 84 * b, yr + 256 * b, br + 32 * b)
+        dall = yd[s, b] * _f16(lut, wd, row, 84 * b + 80)
+        dmin = yd[s, b] * _f16(lut, wd, row, 84 * b + 82)
+        acc += dall * np.float32(isum) - dmin * np.float32(summs)
+    return acc
+
+
+@njit(parallel=True, cache=True)
+def experts_down_avx2_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
+    """As experts_down_kernel (yq int8), each block by chapter 03's AVX2 byte-dot block.
+    Mirrors ds4.c: matvec_q2_k_accum_worker (l. 4017)"""
+    for r in prange(rows):
+        acc = np.float32(0.0)
+        for s in range(ids.shape[0]):
+            acc += _q2_K_row_simd(_q2_K_block_avx2, wd, np.int64(ids[s]) * rows + r, yq, yd, ybs, s, lut)
+        out[r] = acc
+
+
+@njit(parallel=True, cache=True)
+def experts_down_avx512_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
+    """As experts_down_avx2_kernel, with 512-bit vectors (AVX-512BW). Mirrors ds4.c: matvec_q2_k_accum_worker (l. 4017)"""
+    for r in prange(rows):
+        acc = np.float32(0.0)
+        for s in range(ids.shape[0]):
+            acc += _q2_K_row_simd(_q2_K_block_avx512, wd, np.int64(ids[s]) * rows + r, yq, yd, ybs, s, lut)
+        out[r] = acc
+
+
+# chapter 03's choice for this CPU decides these too (None: the portable kernels above)
+EXPERTS_MID_SIMD = experts_mid_avx2_kernel if IQ2_XXS_SIMD is not None else None
+EXPERTS_DOWN_SIMD = {q2_K_avx512_kernel: experts_down_avx512_kernel,
+                     q2_K_avx2_kernel: experts_down_avx2_kernel}.get(Q2_K_SIMD)
+
+
+@njit(parallel=True, cache=True)
 def sink_attention_kernel(q, kv, sinks, allowed, scale, out):
     """Sink attention of q [H, D] over kv [R, D] (K = V), rows with allowed[r] == 0 skipped; parallel over heads.
 
@@ -120,8 +187,12 @@ class NumbaBackend(_MatvecBackend):
         if weights.shape != ids.shape:
             raise ValueError(f"routed experts: {len(weights)} route weights for {len(ids)} expert ids")
         mid = np.empty((len(ids), rows), np.float32)
-        run_kernel(experts_mid_kernel, wg, wu, ids, rows, yq, yd, weights,
-                   np.float32(clamp), IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, mid)
+        if EXPERTS_MID_SIMD is not None and not (yq == -128).any():   # the byte path negates int8 activations
+            run_kernel(EXPERTS_MID_SIMD, wg, wu, ids, rows, yq, yd, weights,
+                       np.float32(clamp), IQ2XXS_GRID, IQ2XXS_SIGN_MASKS, F16_TO_F32, mid)
+        else:
+            run_kernel(experts_mid_kernel, wg, wu, ids, rows, yq, yd, weights,
+                       np.float32(clamp), IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, mid)
         return mid
 
     def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
@@ -133,9 +204,14 @@ class NumbaBackend(_MatvecBackend):
         n = row_elements(wd, 10)
         k = len(ids)
         out = np.empty(rows, np.float32)
-        run_kernel(experts_down_kernel, wd, ids, rows, np.ascontiguousarray(a.qs, np.int16).reshape(k, n),  # int16 as in ch. 3
-                   np.ascontiguousarray(a.d, np.float32).reshape(k, n // 256),
-                   np.ascontiguousarray(a.bsums, np.int16).reshape(k, n // 16), F16_TO_F32, out)
+        yd = np.ascontiguousarray(a.d, np.float32).reshape(k, n // 256)
+        ybs = np.ascontiguousarray(a.bsums, np.int16).reshape(k, n // 16)
+        if EXPERTS_DOWN_SIMD is not None:                # byte dot products on the int8 activations as they are
+            run_kernel(EXPERTS_DOWN_SIMD, wd, ids, rows, np.ascontiguousarray(a.qs, np.int8).reshape(k, n), yd, ybs,
+                       F16_TO_F32, out)
+        else:                                            # int16 activations, as chapter 03's portable kernel
+            run_kernel(experts_down_kernel, wd, ids, rows, np.ascontiguousarray(a.qs, np.int16).reshape(k, n), yd,
+                       ybs, F16_TO_F32, out)
         return out
 
     def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:

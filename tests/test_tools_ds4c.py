@@ -1,0 +1,76 @@
+"""tools/ds4c (the local ds4.c builds behind data/oracle/rebuilds.* and ds4c_*): the parts that run without a
+ds4.c checkout. The shape patch is checked on a stand-in source holding exactly the patterns it must find
+at commit 8d57664 (enum entries and literals), and on one that lacks a pattern."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4ref.config import ModelConfig
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools" / "ds4c"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"ds4c_{name}", TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+shape_patch, rebuilds = _load("shape_patch"), _load("rebuilds")
+
+
+def stand_in_source() -> str:
+    """A C-like text with ds4.c's enum (real values) and each patched literal pattern as often as ds4.c has it."""
+    real = ModelConfig.real()
+    enum = "enum {\n" + "".join(f"    {name:<22s} = {getattr(real, field)},\n"
+                                for name, field in shape_patch.ENUM.items()) + "};\n"
+    samples = {0: "float *qr = xmalloc(1024 * sizeof(qr[0]));", 1: "float *q = xmalloc((size_t)n_tok * 1024 * sizeof(q[0]));",
+               2: "x + (uint64_t)t * 1024,", 3: "rms_norm_weight(o, x, q_a_norm, 1024, DS4_RMS_EPS);",
+               4: "rms_norm_weight(o,\n        x,\n        q_a_norm,\n        1024,\n        DS4_RMS_EPS);",
+               5: "const uint32_t rank = 1024;", 6: "const uint32_t n_groups = 8;"}
+    body = "\n".join(samples[i] for i, (_, _, n) in enumerate(shape_patch.LITERALS) for _ in range(n))
+    select = "    " + shape_patch.EXPERT_SELECT + "\n"
+    return enum + body + "\n" + select
+
+
+def test_shape_patch_writes_the_tiny_shape_and_names_the_literals():
+    tiny = ModelConfig.tiny()
+    out = shape_patch.patch(stand_in_source(), tiny, log_experts=True)
+    for name, field in shape_patch.ENUM.items():
+        assert re.search(rf"\n\s+{name}\s+= {getattr(tiny, field)},", out), name
+    body = out.split("};", 1)[1]
+    assert "1024" not in body                                   # every literal rank became an enum name
+    assert "= 8;" not in body and body.count("DS4_N_OUT_GROUP;") == 3
+    assert body.count("DS4_N_LORA_Q") == 15 and body.count("rank = DS4_N_LORA_O;") == 3
+    assert "DS4C_EXPERT_LOG" in out and out.count(shape_patch.EXPERT_SELECT) == 1
+
+
+def test_shape_patch_refuses_a_source_it_does_not_recognise():
+    src = stand_in_source()
+    with pytest.raises(SystemExit, match="DS4_N_HC_SINKHORN_ITER"):
+        shape_patch.patch(src.replace("DS4_N_HC_SINKHORN_ITER", "DS4_N_SINKHORN"), ModelConfig.tiny())
+    with pytest.raises(SystemExit, match="matched 5 times, expected 6"):
+        shape_patch.patch(src.replace("float *qr = xmalloc(1024 * sizeof(qr[0]));", "", 1), ModelConfig.tiny())
+
+
+def test_expert_log_layout_matches_the_golden_traces():
+    """ds4.c logs top-k choices in call order: the stream path position-major, the batch prefill layer-major
+    (layer 3 for every prompt token, then 4, then 5) followed by decode steps position-major."""
+    P, S = 4, 2
+    ids = np.arange((P + S) * 3)[:, None] * 10 + np.arange(6)      # distinct rows: (position, layer) -> code
+    code = lambda p, l: (p * 3 + l) * 10 + np.arange(6)
+    stream_log = np.concatenate([code(p, l) for p in range(P + S) for l in range(3)])
+    batch_log = np.concatenate([code(p, l) for l in range(3) for p in range(P)] +
+                               [code(p, l) for p in range(P, P + S) for l in range(3)])
+    for path, log in (("stream", stream_log), ("batch", batch_log)):
+        got = rebuilds.expert_rows(log, path, P, S)
+        assert got.shape == (P + S, 3, 6)
+        assert np.array_equal(got, ids.reshape(P + S, 3, 6)), path
