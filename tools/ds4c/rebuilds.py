@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--ds4", type=Path, required=True, help="a checkout of antirez/ds4 at commit 8d57664")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ds4c-rebuilds"))
     ap.add_argument("--only", nargs="*", help="variant names (default: all)")
+    ap.add_argument("--out", type=Path, default=ORACLE / "rebuilds.npz",
+                    help="where to write (the .json goes next to it); use another path with --only")
     args = ap.parse_args()
     model = ORACLE / "dev_seed1.gguf"
     data = {}
@@ -95,7 +97,7 @@ def main() -> None:
             continue
         print(f"{name:12s} {flags}", flush=True)
         data.update(run_variant(name, flags, args.ds4, args.work, model))
-    np.savez_compressed(ORACLE / "rebuilds.npz", **data)
+    np.savez_compressed(args.out, **data)
     cc = subprocess.run([os.environ.get("CC", "gcc"), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
                 if l.startswith("model name")), platform.processor())
@@ -105,8 +107,8 @@ def main() -> None:
             "keys": "{case}.{path}.{variant}.{corr,mean_abs,max_abs,bit_exact_rows,expert_ids}; rows as the "
                     "golden arrays: stream = stream_pos_logits then stream_step_logits; batch = prompt_logits "
                     "then step_logits; expert_ids [rows, 3 top-k layers, 6] in ds4's order"}
-    (ORACLE / "rebuilds.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print("wrote", ORACLE / "rebuilds.npz")
+    args.out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    print("wrote", args.out, "and", args.out.with_suffix(".json"))
 
 
 if __name__ == "__main__":
