@@ -55,6 +55,31 @@ def runs_C(engine, golden_C):
     return _runs(engine, golden_C)
 
 
+@pytest.fixture(scope="module")
+def golden_bundled(oracle_dir):
+    """A third case, recorded by tools/ds4c/record.py from ds4.c (Makefile flags) on ds4ref's own bundled
+    model (writer seed 7): a 160-token prompt and 16 greedy steps, both paths, in the golden files' layout
+    (no indexer traces)."""
+    return np.load(oracle_dir / "ds4c_bundled.npz")
+
+
+@pytest.fixture(scope="module")
+def runs_bundled(golden_bundled):
+    """Free-running replays of the bundled case (the model file must be the one ds4.c ran)."""
+    import hashlib
+    from ds4ref.writer import default_model_path
+    path = default_model_path()
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == str(golden_bundled["model_sha256"]), \
+        f"{path} is not the bundled model ds4.c ran (writer output changed?)"
+    eng = Engine.open(path)
+    out = {}
+    for p in ("batch", "stream"):
+        tr = Trace(names=["exp_ids"])
+        out[p, False] = replay_golden(eng, golden_bundled, p, trace=tr)
+        out[p, False]["trace"] = tr
+    return out
+
+
 def _rows(run, golden, path):
     """(ours, ds4's) logit rows of one run: prompt or every stream position, then the steps."""
     if path == "batch":
@@ -126,21 +151,22 @@ def _expert_sets_differ(ids, golden, path):
                      for p in range(len(ref))])
 
 
-def _distance_to_golden(m, differ, margin) -> dict:
+def _distance_to_golden(m, differ, margin, argmax_differ) -> dict:
     """The measures of the yardstick, each 'larger is further from ds4.c's golden files'."""
     clear = margin > DECISION_MARGIN
     return {"1 - corr (worst row)": float(1 - m["corr"].min()), "mean |d| (worst row)": float(m["mean_abs"].max()),
             "mean |d| (median row)": float(np.median(m["mean_abs"])), "max |d| (worst row)": float(m["max_abs"].max()),
-            "expert sets differing, margin > 1e-2": int(differ[clear].sum())}
+            "expert sets differing, margin > 1e-2": int(differ[clear].sum()),
+            "rows whose argmax differs": int(argmax_differ.sum())}
 
 
-def test_rebuild_data_reproduce_the_goldens_with_ds4s_own_flags(rebuilds, golden_A, golden_C):
+def test_rebuild_data_reproduce_the_goldens_with_ds4s_own_flags(rebuilds, golden_A, golden_C, golden_bundled):
     """The yardstick's harness is sound: built with ds4.c's Makefile flags it reproduces every golden row bit
     for bit (the one row a prefill produces to <= 1.5e-6, the code-generation effect data/oracle/README.md
     also reports for its instrumented build) and every recorded expert choice."""
     data, variants = rebuilds
     assert len(variants) >= 5
-    for case, golden in (("A", golden_A), ("C", golden_C)):
+    for case, golden in (("A", golden_A), ("C", golden_C), ("bundled", golden_bundled)):
         for path in ("batch", "stream"):
             key = f"{case}.{path}.golden"
             exact = data[f"{key}.bit_exact_rows"]
@@ -150,29 +176,34 @@ def test_rebuild_data_reproduce_the_goldens_with_ds4s_own_flags(rebuilds, golden
                 assert not data[f"{case}.{path}.{v}.bit_exact_rows"].any()
 
 
-@pytest.mark.parametrize("case", ["A", "C"])
+@pytest.mark.parametrize("case", ["A", "C", "bundled"])
 @pytest.mark.parametrize("path", ["batch", "stream"])
-def test_as_close_to_ds4c_as_ds4c_rebuilt_with_other_flags(case, path, request, rebuilds):
+def test_as_close_to_ds4c_as_ds4c_rebuilt_with_other_flags(case, path, request, rebuilds, engine):
     """The acceptance yardstick: free-running ds4ref is no further from ds4.c's golden logits and expert
     choices than ds4.c itself compiled with other flags (strict IEEE -O2, -O2 fast-math, AVX2, SSE2, no
-    vectorizer, 512-bit vectors), within REBUILD_SLACK, on every measure: worst and median row."""
+    vectorizer, 512-bit vectors), within REBUILD_SLACK, on every measure: worst and median row, the expert
+    choices, and the rows whose argmax (the greedy token) differs from ds4.c's."""
     data, variants = rebuilds
     runs, golden = request.getfixturevalue(f"runs_{case}"), request.getfixturevalue(f"golden_{case}")
     margin = golden[f"trace_{path}_expert_margin"]
     ours_m = logit_agreement(*_rows(runs[path, False], golden, path))
-    routed = sorted(runs[path, False]["decisions"]["experts"])
+    routed = [il for il in range(engine.cfg.n_layer) if il >= engine.cfg.n_hash_layer]   # same shape in every case
     ours_ids = np.stack([runs[path, False]["trace"].series("exp_ids", il)[1] for il in routed], axis=1)
-    ours = _distance_to_golden(ours_m, _expert_sets_differ(ours_ids, golden, path), margin)
+    ours_rows, ref = _rows(runs[path, False], golden, path)
+    ref_argmax = np.argmax(ref, axis=-1)
+    ours = _distance_to_golden(ours_m, _expert_sets_differ(ours_ids, golden, path), margin,
+                               np.argmax(ours_rows, axis=-1) != ref_argmax)
     worst = {}
     for v in variants:
         key = f"{case}.{path}.{v}"
         m = {k: data[f"{key}.{k}"].astype(np.float64) for k in ("corr", "mean_abs", "max_abs")}
-        d = _distance_to_golden(m, _expert_sets_differ(data[f"{key}.expert_ids"], golden, path), margin)
+        d = _distance_to_golden(m, _expert_sets_differ(data[f"{key}.expert_ids"], golden, path), margin,
+                                data[f"{key}.argmax"] != ref_argmax)
         worst = {k: max(worst.get(k, 0), x) for k, x in d.items()}
     for k in ours:
         print(f"case {case} {path:6s} {k:38s} ds4ref {ours[k]:8.4f}   furthest ds4.c rebuild {worst[k]:8.4f}")
-    for k in ours:
-        limit = REBUILD_SLACK * worst[k] + (1 if k.startswith("expert") else 0)
+    for k in ours:                               # counts get one more of slack: one near-tie flip
+        limit = REBUILD_SLACK * worst[k] + (1 if k.startswith(("expert", "rows")) else 0)
         assert ours[k] <= limit, (k, ours[k], worst[k])
 
 

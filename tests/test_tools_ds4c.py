@@ -24,7 +24,7 @@ def _load(name):
     return mod
 
 
-shape_patch, rebuilds = _load("shape_patch"), _load("rebuilds")
+shape_patch, ds4c_io = _load("shape_patch"), _load("ds4c_io")
 
 
 def stand_in_source() -> str:
@@ -61,16 +61,23 @@ def test_shape_patch_refuses_a_source_it_does_not_recognise():
         shape_patch.patch(src.replace("float *qr = xmalloc(1024 * sizeof(qr[0]));", "", 1), ModelConfig.tiny())
 
 
-def test_expert_log_layout_matches_the_golden_traces():
+def test_expert_log_layout_and_margins_match_the_golden_traces(tmp_path):
     """ds4.c logs top-k choices in call order: the stream path position-major, the batch prefill layer-major
-    (layer 3 for every prompt token, then 4, then 5) followed by decode steps position-major."""
-    P, S = 4, 2
-    ids = np.arange((P + S) * 3)[:, None] * 10 + np.arange(6)      # distinct rows: (position, layer) -> code
-    code = lambda p, l: (p * 3 + l) * 10 + np.arange(6)
-    stream_log = np.concatenate([code(p, l) for p in range(P + S) for l in range(3)])
-    batch_log = np.concatenate([code(p, l) for l in range(3) for p in range(P)] +
-                               [code(p, l) for p in range(P, P + S) for l in range(3)])
-    for path, log in (("stream", stream_log), ("batch", batch_log)):
-        got = rebuilds.expert_rows(log, path, P, S)
-        assert got.shape == (P + S, 3, 6)
-        assert np.array_equal(got, ids.reshape(P + S, 3, 6)), path
+    (layer 3 for every prompt token, then 4, then 5) followed by decode steps position-major. Each record is
+    6 int32 ids then the 16 float32 scores; the margin is min(chosen) - max(not chosen)."""
+    P, S, n_expert = 4, 2, 16
+    rng = np.random.default_rng(0)
+    scores = {(p, l): rng.permutation(n_expert).astype(np.float32) / 8 for p in range(P + S) for l in range(3)}
+    chosen = {k: np.argsort(-v, kind="stable")[:6].astype(np.int32) for k, v in scores.items()}
+    rec = lambda k: chosen[k].tobytes() + scores[k].tobytes()
+    orders = {"stream": [(p, l) for p in range(P + S) for l in range(3)],
+              "batch": [(p, l) for l in range(3) for p in range(P)] + [(p, l) for p in range(P, P + S) for l in range(3)]}
+    for path, order in orders.items():
+        log = tmp_path / f"{path}.experts"
+        log.write_bytes(b"".join(rec(k) for k in order))
+        ids, margin = ds4c_io.read_expert_log(log, path, P, S, n_expert)
+        assert ids.shape == (P + S, 3, 6) and margin.shape == (P + S, 3)
+        for (p, l), want in chosen.items():
+            assert np.array_equal(ids[p, l], want), (path, p, l)
+            v = scores[p, l]
+            assert margin[p, l] == np.sort(v)[-6] - np.sort(v)[-7]      # 6th best minus 7th best

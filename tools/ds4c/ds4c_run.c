@@ -5,6 +5,7 @@
  *
  *   ds4c_run MODEL stream IDS STEPS OUT      1-token sync, eval the rest of IDS, then eval STEPS
  *   ds4c_run MODEL batch  IDS STEPS OUT      sync all of IDS, then eval STEPS (teacher forced)
+ *                                            (STEPS "greedy:N": N steps of ds4's own argmax, listed in OUT.tokens)
  *   ds4c_run MODEL sample IDS PARAMS OUT     sync IDS, then for each PARAMS row draw tokens
  *   ds4c_run MODEL tokenize TEXTS - OUT      ds4_tokenize_text of each NUL-separated text
  *   ds4c_run MODEL rendered TEXTS - OUT      ds4_tokenize_rendered_chat of each text
@@ -20,6 +21,7 @@
  * Environment: DS4C_THREADS (default 1).
  */
 #define _POSIX_C_SOURCE 199309L  /* clock_gettime under -std=c99 */
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -183,9 +185,19 @@ int main(int argc, char **argv) {
         return 0;
     }
 
-    size_t slen;
-    int32_t *steps = read_all(argv[4], &slen);
-    int n_steps = (int)(slen / 4);
+    /* STEPS is a file of token ids (teacher forcing), or "greedy:N": N steps each feeding ds4's own argmax;
+     * the tokens fed are then written to OUT.tokens (int32) */
+    int32_t *steps = NULL;
+    int n_steps = 0;
+    const bool greedy = !strncmp(argv[4], "greedy:", 7);
+    if (greedy) {
+        n_steps = atoi(argv[4] + 7);
+        steps = calloc((size_t)(n_steps > 0 ? n_steps : 1), sizeof(int32_t));
+    } else {
+        size_t slen;
+        steps = read_all(argv[4], &slen);
+        n_steps = (int)(slen / 4);
+    }
     int n_vocab = 0;
     if (!strcmp(mode, "stream")) {
         ds4_tokens_push(&t, ids[0]);
@@ -206,9 +218,17 @@ int main(int argc, char **argv) {
         return 1;
     }
     for (int i = 0; i < n_steps; i++) {
+        if (greedy) steps[i] = ds4_session_argmax(s);
         check(ds4_session_eval(s, steps[i], err, sizeof err), "eval", err);
         write_logits(s, out, n_vocab);
     }
     fclose(out);
+    if (greedy) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s.tokens", argv[5]);
+        FILE *tf = fopen(path, "wb");
+        fwrite(steps, sizeof(int32_t), (size_t)n_steps, tf);
+        fclose(tf);
+    }
     return 0;
 }

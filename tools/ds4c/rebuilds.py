@@ -2,9 +2,11 @@
 the golden files. This is the yardstick for ds4ref's end-to-end agreement (chapter 08).
 
 For each variant the script builds ds4.c (tools/ds4c/build.sh: the tiny shape, the expert-choice log),
-replays cases A and C of data/oracle on both of ds4.c's paths through its public API (ds4c_run), and
-stores, per golden row, the agreement (corr, mean |d|, max |d|) with the golden logits, plus the
-experts that build chose in the top-k layers. The first variant is ds4.c's own Makefile flags: it
+replays the cases on both of ds4.c's paths through its public API (ds4c_run), and stores, per golden
+row, the agreement (corr, mean |d|, max |d|) with the golden logits, plus the experts that build chose in
+the top-k layers. Cases: A and C of the shared oracle (data/oracle/golden_{A,C}.npz on dev_seed1.gguf),
+and "bundled": ds4ref's own bundled model (ds4ref.writer, seed 7) with goldens that record.py made with
+ds4.c's Makefile flags (data/oracle/ds4c_bundled.npz). The first variant is those Makefile flags: it
 must reproduce the golden files bit for bit, which checks the harness.
 
     python tools/ds4c/rebuilds.py --ds4 PATH/TO/ds4-checkout [--work DIR]
@@ -17,11 +19,15 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from ds4ref.engine import logit_agreement
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ds4c_io import PATHS, golden_rows, read_expert_log, run  # noqa: E402
+
+from ds4ref.engine import logit_agreement  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE = ROOT / "data" / "oracle"
@@ -35,50 +41,36 @@ VARIANTS = {   # name -> compiler flags; "golden" is ds4.c's Makefile (CPU objec
     "no-vec": f"-O3 {FAST} -march=native -fno-tree-vectorize",
     "avx512-w512": f"-O3 {FAST} -march=x86-64-v4 -mprefer-vector-width=512",
 }
-PATHS = {"stream": ("stream_greedy_tokens", "stream_pos_logits", "stream_step_logits"),
-         "batch": ("greedy_tokens", "prompt_logits", "step_logits")}
 
 
-def golden_rows(g, path: str) -> np.ndarray:
-    _, first, steps = PATHS[path]
-    head = g[first] if g[first].ndim == 2 else g[first][None]
-    return np.concatenate([head, g[steps]])
+def cases() -> dict:
+    """name -> (golden arrays, model path)."""
+    from ds4ref.writer import default_model_path
+    out = {c: (np.load(ORACLE / f"golden_{c}.npz"), ORACLE / "dev_seed1.gguf") for c in "AC"}
+    bundled = ORACLE / "ds4c_bundled.npz"
+    if bundled.exists():
+        out["bundled"] = (np.load(bundled), default_model_path())
+    return out
 
 
-def expert_rows(log: np.ndarray, path: str, n_prompt: int, n_steps: int) -> np.ndarray:
-    """The logged choices in the golden traces' layout [P+S, 3, 6]. Stream: position-major. Batch: the
-    prefill is layer-major (layer 3 for every prompt token, then 4, then 5), then decode steps."""
-    ids = log.reshape(-1, 6)
-    if path == "stream":
-        return ids.reshape(n_prompt + n_steps, 3, 6)
-    pre = ids[: 3 * n_prompt].reshape(3, n_prompt, 6).transpose(1, 0, 2)
-    return np.concatenate([pre, ids[3 * n_prompt:].reshape(n_steps, 3, 6)])
-
-
-def run_variant(name: str, flags: str, ds4: Path, work: Path, model: Path) -> dict:
+def run_variant(name: str, flags: str, ds4: Path, work: Path) -> dict:
     d = work / name
-    subprocess.run([str(ROOT / "tools/ds4c/build.sh"), str(ds4), str(model), str(d), *flags.split()],
+    model_any = ORACLE / "dev_seed1.gguf"                  # every case has the tiny shape
+    subprocess.run([str(ROOT / "tools/ds4c/build.sh"), str(ds4), str(model_any), str(d), *flags.split()],
                    check=True, capture_output=True)
     out = {}
-    for case in "AC":
-        g = np.load(ORACLE / f"golden_{case}.npz")
+    for case, (g, model) in cases().items():
         n_prompt = len(g["prompt_ids"])
-        (d / "ids.bin").write_bytes(g["prompt_ids"].astype("<i4").tobytes())
         for path, (steps_key, _, _) in PATHS.items():
-            steps = g[steps_key]
-            (d / "steps.bin").write_bytes(steps.astype("<i4").tobytes())
-            log = d / f"{case}_{path}.experts"
-            log.unlink(missing_ok=True)
-            subprocess.run([str(d / "ds4c_run"), str(model), path, str(d / "ids.bin"), str(d / "steps.bin"),
-                            str(d / "logits.bin")], check=True, capture_output=True,
-                           env=dict(os.environ, DS4C_EXPERT_LOG=str(log), DS4C_THREADS="1"))
+            logits, _, log = run(d, model, path, g["prompt_ids"], g[steps_key], d / "run")
             ref = golden_rows(g, path)
-            ours = np.fromfile(d / "logits.bin", np.float32).reshape(len(ref), -1)
-            m = logit_agreement(ours, ref)
+            m = logit_agreement(logits, ref)
             key = f"{case}.{path}.{name}"
             out.update({f"{key}.{k}": np.asarray(v, np.float32) for k, v in m.items()})
-            out[f"{key}.bit_exact_rows"] = np.asarray((ours == ref).all(-1))
-            out[f"{key}.expert_ids"] = expert_rows(np.fromfile(log, np.int32), path, n_prompt, len(steps)).astype(np.int8)
+            out[f"{key}.bit_exact_rows"] = np.asarray((logits == ref).all(-1))
+            out[f"{key}.argmax"] = np.argmax(logits, axis=-1).astype(np.int16)
+            ids, _ = read_expert_log(log, path, n_prompt, len(g[steps_key]), n_expert=16)
+            out[f"{key}.expert_ids"] = ids.astype(np.int8)
     return out
 
 
@@ -90,21 +82,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ORACLE / "rebuilds.npz",
                     help="where to write (the .json goes next to it); use another path with --only")
     args = ap.parse_args()
-    model = ORACLE / "dev_seed1.gguf"
     data = {}
     for name, flags in VARIANTS.items():
         if args.only and name not in args.only:
             continue
         print(f"{name:12s} {flags}", flush=True)
-        data.update(run_variant(name, flags, args.ds4, args.work, model))
+        data.update(run_variant(name, flags, args.ds4, args.work))
     np.savez_compressed(args.out, **data)
     cc = subprocess.run([os.environ.get("CC", "gcc"), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
                 if l.startswith("model name")), platform.processor())
     meta = {"ds4_commit": "8d576642c39b9a2d782a80159ba84ef5a81c0b81", "compiler": cc, "cpu": cpu,
             "variants": {k: v for k, v in VARIANTS.items() if not args.only or k in args.only},
+            "cases": sorted(cases()),
             "how": "tools/ds4c/rebuilds.py: build.sh (shape_patch.py + ds4c_run.c), 1 thread, ctx 1024",
-            "keys": "{case}.{path}.{variant}.{corr,mean_abs,max_abs,bit_exact_rows,expert_ids}; rows as the "
+            "keys": "{case}.{path}.{variant}.{corr,mean_abs,max_abs,bit_exact_rows,argmax,expert_ids}; rows as the "
                     "golden arrays: stream = stream_pos_logits then stream_step_logits; batch = prompt_logits "
                     "then step_logits; expert_ids [rows, 3 top-k layers, 6] in ds4's order"}
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")

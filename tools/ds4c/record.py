@@ -6,21 +6,30 @@ Runs the golden build (ds4.c's Makefile flags, tools/ds4c/build.sh) through ds4c
 - `ds4_token_text` of every token id;
 - `ds4_session_sample` after syncing case C's and case A's prompts (so the logits are exactly the golden
   `prompt_logits`), over a grid of temperature / top-k / top-p / min-p and seeds: every draw and the
-  generator state after the last one.
+  generator state after the last one;
+- a third end-to-end case, "bundled": ds4ref's own bundled model (`ds4ref.writer`, seed 7, so ds4.c also
+  checks that the writer's GGUF loads), a 160-token prompt and 16 greedy steps on both paths, in the layout
+  of the shared golden files (logits, greedy tokens, expert ids and margins of the top-k layers).
 
     python tools/ds4c/record.py --build DIR      (DIR from build.sh with the default flags)
-writes data/oracle/ds4c_tokenizer.json and data/oracle/ds4c_sample.npz.
+writes data/oracle/ds4c_tokenizer.json, data/oracle/ds4c_sample.npz and data/oracle/ds4c_bundled.npz.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
+import random
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ds4c_io import PATHS, read_expert_log, run as replay  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE = ROOT / "data" / "oracle"
@@ -62,9 +71,10 @@ SAMPLE_GRID = {"temperature": [0.0, 0.3, 1.0, 1.7], "top_k": [0, 1, 5, 40], "top
                "min_p": [0.0, 0.05, 0.3]}
 SEEDS = [1, 12345, 0xDEADBEEFCAFEF00D]
 N_DRAWS = 40
+BUNDLED_PROMPT, BUNDLED_STEPS, BUNDLED_SEED = 160, 16, 7007
 
 
-def run(build: Path, mode: str, a: str, b: str, out: Path) -> bytes:
+def run_mode(build: Path, mode: str, a: str, b: str, out: Path) -> bytes:
     subprocess.run([str(build / "ds4c_run"), str(MODEL), mode, a, b, str(out)], check=True, capture_output=True)
     return out.read_bytes()
 
@@ -77,6 +87,32 @@ def id_lists(raw: bytes) -> list[list[int]]:
     return out
 
 
+def bundled_prompt(n_vocab: int) -> list[int]:
+    rnd = random.Random(BUNDLED_SEED)
+    return [0] + [rnd.randrange(2, n_vocab) for _ in range(BUNDLED_PROMPT - 1)]
+
+
+def record_bundled(build: Path, work: Path) -> None:
+    """Case "bundled" in the golden files' layout (data/oracle/README.md), from ds4.c's Makefile build."""
+    from ds4ref.config import ModelConfig
+    from ds4ref.gguf import GGUFFile
+    from ds4ref.writer import default_model_path
+    model = default_model_path()
+    with GGUFFile(model) as g:
+        cfg = ModelConfig.from_gguf(g)
+    prompt = bundled_prompt(cfg.n_vocab)
+    out = {"prompt_ids": np.array(prompt, np.int32),
+           "model_sha256": np.array(hashlib.sha256(model.read_bytes()).hexdigest()), "model_name": np.array(model.name)}
+    for path, (tokens_key, first_key, steps_key) in PATHS.items():
+        logits, fed, log = replay(build, model, path, prompt, BUNDLED_STEPS, work / path)
+        n_first = len(prompt) if path == "stream" else 1
+        out[first_key] = logits[:n_first] if path == "stream" else logits[0]
+        out[steps_key], out[tokens_key] = logits[n_first:], fed.astype(np.int32)
+        ids, margin = read_expert_log(log, path, len(prompt), len(fed), cfg.n_expert, cfg.n_expert_used)
+        out[f"trace_{path}_expert_ids"], out[f"trace_{path}_expert_margin"] = ids.astype(np.int32), margin
+    np.savez_compressed(ORACLE / "ds4c_bundled.npz", **out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", type=Path, required=True)
@@ -86,10 +122,10 @@ def main() -> None:
         (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")
         (t / "rendered").write_bytes(b"\0".join(s.encode() for s in RENDERED) + b"\0")
         (t / "chats").write_bytes(b"".join(b"\0".join(x.encode() for x in c) + b"\0" for c in CHATS))
-        tok = {"texts": TEXTS, "tokenize": id_lists(run(build, "tokenize", str(t / "texts"), "-", t / "o")),
-               "rendered": RENDERED, "rendered_ids": id_lists(run(build, "rendered", str(t / "rendered"), "-", t / "o")),
-               "chats": [list(c) for c in CHATS], "chat_ids": id_lists(run(build, "chat", str(t / "chats"), "-", t / "o"))}
-        raw, vocab, i = run(build, "vocab", "-", "-", t / "o"), [], 0
+        tok = {"texts": TEXTS, "tokenize": id_lists(run_mode(build, "tokenize", str(t / "texts"), "-", t / "o")),
+               "rendered": RENDERED, "rendered_ids": id_lists(run_mode(build, "rendered", str(t / "rendered"), "-", t / "o")),
+               "chats": [list(c) for c in CHATS], "chat_ids": id_lists(run_mode(build, "chat", str(t / "chats"), "-", t / "o"))}
+        raw, vocab, i = run_mode(build, "vocab", "-", "-", t / "o"), [], 0
         while i < len(raw):
             n = int(np.frombuffer(raw[i:i + 4], "<i4")[0])
             vocab.append(raw[i + 4:i + 4 + n].hex())
@@ -105,12 +141,13 @@ def main() -> None:
         for case in "CA":
             g = np.load(ORACLE / f"golden_{case}.npz")
             (t / "ids").write_bytes(g["prompt_ids"].astype("<i4").tobytes())
-            raw = run(build, "sample", str(t / "ids"), str(t / "params"), t / "o")
+            raw = run_mode(build, "sample", str(t / "ids"), str(t / "params"), t / "o")
             per = np.frombuffer(raw, np.uint8).reshape(len(rows), 4 * N_DRAWS + 8)
             out[f"{case}.draws"] = per[:, :4 * N_DRAWS].copy().view("<i4")
             out[f"{case}.rng_after"] = per[:, 4 * N_DRAWS:].copy().view("<u8").ravel()
         np.savez_compressed(ORACLE / "ds4c_sample.npz", **out)
-    print("wrote", ORACLE / "ds4c_tokenizer.json", "and", ORACLE / "ds4c_sample.npz")
+        record_bundled(build, t / "bundled")
+    print("wrote", ORACLE / "ds4c_tokenizer.json", ORACLE / "ds4c_sample.npz", "and", ORACLE / "ds4c_bundled.npz")
 
 
 if __name__ == "__main__":

@@ -40,11 +40,13 @@ LITERALS = [
 
 
 # Optional instrumentation (--log-experts): append every biased top-k expert choice to the file named by
-# $DS4C_EXPERT_LOG, as 6 int32 ids per call, in call order. Nothing else in the computation changes.
+# $DS4C_EXPERT_LOG, in call order: the DS4_N_EXPERT_USED int32 ids, then the DS4_N_EXPERT float32 biased
+# scores they were chosen from (for the margins). Nothing else in the computation changes.
 EXPERT_SELECT = "topk_desc(selection, DS4_N_EXPERT, DS4_N_EXPERT_USED, selected);"
 EXPERT_LOG = (EXPERT_SELECT + " { static FILE *ds4c_log; const char *ds4c_path = getenv(\"DS4C_EXPERT_LOG\");"
               " if (ds4c_path && !ds4c_log) ds4c_log = fopen(ds4c_path, \"wb\");"
-              " if (ds4c_log) { fwrite(selected, sizeof(int), DS4_N_EXPERT_USED, ds4c_log); fflush(ds4c_log); } }")
+              " if (ds4c_log) { fwrite(selected, sizeof(int), DS4_N_EXPERT_USED, ds4c_log);"
+              " fwrite(selection, sizeof(float), DS4_N_EXPERT, ds4c_log); fflush(ds4c_log); } }")
 
 
 def patch(src: str, cfg: ModelConfig, log_experts: bool = False) -> str:
