@@ -184,39 +184,47 @@ def test_errors(oracle_vocab):
         Tokenizer.from_metadata({"tokenizer.ggml.tokens": tokens})
 
 
-@pytest.fixture(scope="module")
-def ds4c_tokenizer(oracle_dir):
-    """ds4.c's own tokenizer output on the oracle vocab (data/oracle/ds4c_tokenizer.json, recorded by
-    tools/ds4c/record.py through ds4.h: ds4_tokenize_text, ds4_tokenize_rendered_chat,
-    ds4_encode_chat_prompt, ds4_token_text)."""
-    return json.loads((oracle_dir / "ds4c_tokenizer.json").read_text())
+@pytest.fixture(scope="module", params=["oracle", "bundled"])
+def ds4c_tokenizer(request, oracle_dir, oracle_vocab):
+    """(ds4ref Tokenizer, ds4.c's own tokenizer output) on one vocab: the oracle model's (761 merges) or the
+    bundled model's (the writer's trained BPE). Recorded by tools/ds4c/record.py through ds4.h
+    (ds4_tokenize_text, ds4_tokenize_rendered_chat, ds4_encode_chat_prompt, ds4_token_text) into
+    data/oracle/ds4c_tokenizer.json."""
+    import hashlib
+    from ds4ref.writer import default_model_path
+    rec = json.loads((oracle_dir / "ds4c_tokenizer.json").read_text())
+    if request.param == "oracle":
+        return Tokenizer(*oracle_vocab), rec
+    rec = rec["bundled"]
+    path = default_model_path()
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == rec["model_sha256"], f"{path} is not the model ds4.c ran"
+    return Tokenizer.from_metadata(GGUFFile(path).metadata), rec
 
 
-def test_encode_equals_ds4c(oracle_vocab, ds4c_tokenizer):
-    tok = Tokenizer(*oracle_vocab)
-    rec = ds4c_tokenizer
+def test_encode_equals_ds4c(ds4c_tokenizer):
+    tok, rec = ds4c_tokenizer
     assert len(rec["texts"]) >= 20 and any(len(ids) > 10 for ids in rec["tokenize"])
     for text, ids in zip(rec["texts"], rec["tokenize"], strict=True):
         assert tok.encode(text) == ids, text
 
 
-def test_rendered_chat_equals_ds4c(oracle_vocab, ds4c_tokenizer):
-    tok = Tokenizer(*oracle_vocab)
-    for text, ids in zip(ds4c_tokenizer["rendered"], ds4c_tokenizer["rendered_ids"], strict=True):
+def test_rendered_chat_equals_ds4c(ds4c_tokenizer):
+    tok, rec = ds4c_tokenizer
+    for text, ids in zip(rec["rendered"], rec["rendered_ids"], strict=True):
         assert tok.encode_rendered_chat(text) == ids, text
 
 
-def test_chat_prompt_equals_ds4c_in_every_think_mode(oracle_vocab, ds4c_tokenizer):
-    tok = Tokenizer(*oracle_vocab)
+def test_chat_prompt_equals_ds4c_in_every_think_mode(ds4c_tokenizer):
+    tok, rec = ds4c_tokenizer
     modes = set()
-    for (system, prompt, think), ids in zip(ds4c_tokenizer["chats"], ds4c_tokenizer["chat_ids"], strict=True):
+    for (system, prompt, think), ids in zip(rec["chats"], rec["chat_ids"], strict=True):
         assert tok.chat_prompt(prompt, system=system or None, think=think) == ids, (system, prompt, think)
         modes.add(think)
     assert modes == {"none", "high", "max"}
 
 
-def test_token_bytes_equal_ds4c_token_text(oracle_vocab, ds4c_tokenizer):
-    tok = Tokenizer(*oracle_vocab)
-    ref = [bytes.fromhex(h) for h in ds4c_tokenizer["token_text_hex"]]
+def test_token_bytes_equal_ds4c_token_text(ds4c_tokenizer):
+    tok, rec = ds4c_tokenizer
+    ref = [bytes.fromhex(h) for h in rec["token_text_hex"]]
     assert len(ref) == tok.n_vocab
     assert [tok.token_bytes(i) for i in range(tok.n_vocab)] == ref

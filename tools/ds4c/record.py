@@ -2,7 +2,8 @@
 
 Runs the golden build (ds4.c's Makefile flags, tools/ds4c/build.sh) through ds4c_run:
 - `ds4_tokenize_text`, `ds4_tokenize_rendered_chat` and `ds4_encode_chat_prompt` (three think modes) on
-  varied text (Chinese, emoji, code, whitespace runs, digits, full-width punctuation, specials);
+  varied text (Chinese, emoji, code, whitespace runs, digits, full-width punctuation, specials), with the
+  oracle model's vocab and with the bundled model's (the writer's trained BPE, key "bundled");
 - `ds4_token_text` of every token id;
 - `ds4_session_sample` after syncing case C's and case A's prompts (so the logits are exactly the golden
   `prompt_logits`), over a grid of temperature / top-k / top-p / min-p and seeds: every draw and the
@@ -74,9 +75,26 @@ N_DRAWS = 40
 BUNDLED_PROMPT, BUNDLED_STEPS, BUNDLED_SEED = 160, 16, 7007
 
 
-def run_mode(build: Path, mode: str, a: str, b: str, out: Path) -> bytes:
-    subprocess.run([str(build / "ds4c_run"), str(MODEL), mode, a, b, str(out)], check=True, capture_output=True)
+def run_mode(build: Path, mode: str, a: str, b: str, out: Path, model: Path = MODEL) -> bytes:
+    subprocess.run([str(build / "ds4c_run"), str(model), mode, a, b, str(out)], check=True, capture_output=True)
     return out.read_bytes()
+
+
+def record_tokenizer(build: Path, t: Path, model: Path) -> dict:
+    """ds4.c's tokenizer outputs on one model's vocab."""
+    go = lambda mode, a: id_lists(run_mode(build, mode, a, "-", t / "o", model))
+    tok = {"texts": TEXTS, "tokenize": go("tokenize", str(t / "texts")),
+           "rendered": RENDERED, "rendered_ids": go("rendered", str(t / "rendered")),
+           "chats": [list(c) for c in CHATS], "chat_ids": go("chat", str(t / "chats"))}
+    raw, vocab, i = run_mode(build, "vocab", "-", "-", t / "o", model), [], 0
+    while i < len(raw):
+        n = int(np.frombuffer(raw[i:i + 4], "<i4")[0])
+        vocab.append(raw[i + 4:i + 4 + n].hex())
+        i += 4 + n
+    tok["token_text_hex"] = vocab
+    tok["model_sha256"] = hashlib.sha256(model.read_bytes()).hexdigest()
+    tok["source"] = f"ds4.c 8d57664 (golden build) via tools/ds4c/record.py on {model.name}"
+    return tok
 
 
 def id_lists(raw: bytes) -> list[list[int]]:
@@ -122,16 +140,9 @@ def main() -> None:
         (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")
         (t / "rendered").write_bytes(b"\0".join(s.encode() for s in RENDERED) + b"\0")
         (t / "chats").write_bytes(b"".join(b"\0".join(x.encode() for x in c) + b"\0" for c in CHATS))
-        tok = {"texts": TEXTS, "tokenize": id_lists(run_mode(build, "tokenize", str(t / "texts"), "-", t / "o")),
-               "rendered": RENDERED, "rendered_ids": id_lists(run_mode(build, "rendered", str(t / "rendered"), "-", t / "o")),
-               "chats": [list(c) for c in CHATS], "chat_ids": id_lists(run_mode(build, "chat", str(t / "chats"), "-", t / "o"))}
-        raw, vocab, i = run_mode(build, "vocab", "-", "-", t / "o"), [], 0
-        while i < len(raw):
-            n = int(np.frombuffer(raw[i:i + 4], "<i4")[0])
-            vocab.append(raw[i + 4:i + 4 + n].hex())
-            i += 4 + n
-        tok["token_text_hex"] = vocab
-        tok["source"] = "ds4.c 8d57664 (golden build) via tools/ds4c/record.py on data/oracle/dev_seed1.gguf"
+        from ds4ref.writer import default_model_path
+        tok = record_tokenizer(build, t, MODEL)                      # the oracle's vocab (761 merges)
+        tok["bundled"] = record_tokenizer(build, t, default_model_path())   # the writer's trained vocab
         (ORACLE / "ds4c_tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False, indent=0) + "\n")
 
         rows = list(itertools.product(*SAMPLE_GRID.values(), SEEDS))
