@@ -88,7 +88,8 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
     Mirrors ds4.c: nothing (benchmark harness; ds4.c's CLI prints the same tokens/s)"""
     from ds4ref.engine import Engine
     eng = Engine.open(path, backend=backend)
-    warm = eng.session(ctx_size=ctx)              # compiles kernels, uploads weights, faults pages in
+    eng.gguf.warm_pages()                         # every weight page mapped, as ds4.c's --warm-weights does
+    warm = eng.session(ctx_size=ctx)              # compiles kernels, uploads weights
     warm.sync(prompt[:2])
     warm.eval(int(np.argmax(warm.logits)))
     s = eng.session(ctx_size=ctx)
@@ -111,8 +112,9 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
 
 def bench_ds4c(exe: Path, path, prompt: list[int], steps: int, threads: int) -> dict:
     """Time the real ds4.c on the same model and prompt: `exe` is tools/ds4c's `ds4c_run`, built for this
-    model's shape by `tools/ds4c/build.sh` (ds4.c's Makefile flags). It warms up, times `ds4_session_sync`
-    of `prompt`, then `steps` greedy `ds4_session_eval`s, like `bench_backend`.
+    model's shape by `tools/ds4c/build.sh` (ds4.c's Makefile flags). With its weights warmed (ds4.c's
+    `warm_weights` option) it warms up, times `ds4_session_sync` of `prompt`, then `steps` greedy
+    `ds4_session_eval`s, like `bench_backend`.
 
     Mirrors ds4.c: nothing (benchmark harness around ds4.h)"""
     import subprocess
@@ -122,7 +124,7 @@ def bench_ds4c(exe: Path, path, prompt: list[int], steps: int, threads: int) -> 
         ids, out = Path(tmp) / "ids.bin", Path(tmp) / "out.txt"
         ids.write_bytes(np.asarray(prompt, "<i4").tobytes())
         subprocess.run([str(exe), str(path), "bench", str(ids), str(steps), str(out)], check=True,
-                       capture_output=True, env=dict(os.environ, DS4C_THREADS=str(threads)))
+                       capture_output=True, env=dict(os.environ, DS4C_THREADS=str(threads), DS4C_WARM="1"))
         prefill_s, med, fastest = (float(x) for x in out.read_text().split())
     return {"backend": "ds4.c", "label": f"ds4.c {threads}t", "threads": threads, "prompt_tokens": len(prompt),
             "prefill_s": prefill_s, "prefill_tok_s": len(prompt) / prefill_s, "decode_steps": steps,

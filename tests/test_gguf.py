@@ -586,3 +586,13 @@ def test_mutated_files_raise_only_gguf_error(micro_bytes, data):
         _load_from_bytes(bytes(b))
     except GGUFError:
         pass
+
+
+def test_warm_pages_touches_every_page_of_the_tensor_data(oracle_gguf):
+    """GGUFFile.warm_pages (ds4.c: model_warm_weights) reads one byte per page from the data offset on; a file
+    parsed from a buffer has nothing mapped."""
+    import mmap
+    with GGUFFile(oracle_gguf) as g:
+        n = g.warm_pages()
+        assert n == -(-(g.size - g.data_offset) // mmap.PAGESIZE) and n > 3000
+    assert GGUFFile.from_buffer(oracle_gguf.read_bytes()).warm_pages() == 0

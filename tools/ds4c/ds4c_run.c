@@ -18,7 +18,7 @@
  * or int32 rows (sample: the draws of each PARAMS row then the uint64 generator state; tokenize,
  * rendered, chat: int32 count then ids per text; vocab: int32 byte count then bytes per token). PARAMS: rows of float32 {temperature, top_k, top_p, min_p,
  * seed_lo, seed_hi, n_draws} (seed halves and counts stored as floats of exact integers).
- * Environment: DS4C_THREADS (default 1).
+ * Environment: DS4C_THREADS (default 1); DS4C_WARM set: ds4.c's warm_weights option.
  */
 #define _POSIX_C_SOURCE 199309L  /* clock_gettime under -std=c99 */
 #include <stdbool.h>
@@ -85,6 +85,7 @@ int main(int argc, char **argv) {
     o.model_path = argv[1];
     o.backend = DS4_BACKEND_CPU;
     o.n_threads = getenv("DS4C_THREADS") ? atoi(getenv("DS4C_THREADS")) : 1;
+    o.warm_weights = getenv("DS4C_WARM") != NULL;        /* touch every weight page at open (model_warm_weights) */
     ds4_engine *e;
     if (ds4_engine_open(&e, &o) != 0) { fprintf(stderr, "ds4c_run: cannot open %s\n", argv[1]); return 3; }
     FILE *out = fopen(argv[5], "wb");
