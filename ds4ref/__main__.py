@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="numpy", help="numpy, or a chapter-09 backend (numba, mlx, cupy, auto)")
     p.add_argument("--summary", action="store_true", help="print the model summary and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--warm-weights", action="store_true",
+                   help="read every weight page once before generating (no first-touch page faults later)")
     return p
 
 
@@ -54,6 +56,8 @@ def main(argv=None) -> int:
     except (GGUFError, BackendError, OSError) as exc:
         print(f"ds4ref: {exc}", file=sys.stderr)
         return 2
+    if args.warm_weights:                      # ds4.c: --warm-weights, model_warm_weights (l. 1477)
+        eng.gguf.warm_pages()
     tok = eng.tokenizer
     if tok is None:
         print(f"ds4ref: {args.model}: the GGUF has no tokenizer", file=sys.stderr)

@@ -675,6 +675,18 @@ def test_cli_greedy_output_equals_session_argmax(oracle_gguf, engine):
     assert buf.getvalue() == tok.decode(ids) + "\n"
 
 
+def test_cli_warm_weights_touches_the_pages_and_changes_nothing_else(oracle_gguf, monkeypatch, capsys):
+    from ds4ref.__main__ import main
+    from ds4ref.gguf import GGUFFile
+    calls, real = [], GGUFFile.warm_pages
+    monkeypatch.setattr(GGUFFile, "warm_pages", lambda self: calls.append(real(self)) or calls[-1])
+    args = ["-m", str(oracle_gguf), "-p", "hi", "-n", "3", "--temp", "0", "--no-progress"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert calls == [] and main(args + ["--warm-weights"]) == 0
+    assert capsys.readouterr().out == plain and len(calls) == 1 and calls[0] > 3000
+
+
 def test_cli_rejects_bad_input_with_a_message(oracle_gguf, tmp_path, capsys):
     from ds4ref.__main__ import main
     assert main(["-m", str(oracle_gguf), "--top-p", "0", "-n", "1"]) == 2
