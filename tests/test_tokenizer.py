@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 import unicodedata
+from pathlib import Path
 
 import gguf
 import pytest
@@ -15,23 +16,10 @@ from ds4ref.gguf import GGUFFile
 from ds4ref.tokenizer import (REASONING_EFFORT_MAX_PREFIX, SPECIAL_TOKENS, Tokenizer, TokenizerError,
                               pretokenize)
 
-TEXTS = [
-    "Hello world, the answer is 12345!",
-    "    int main(void) {\n\treturn 0;\n}\n",
-    "def f(x):\n    return x**2  # square\n\n\nclass A: pass",
-    "中文分词测试，还有标点。 and mixed 日本語のテキスト カタカナ",
-    "emoji 😀👍🏽 ok 🇮🇹!",
-    "a  b   c\n\n\n  d\r\n\te\t\t f",
-    "price: $3.14159 ~ 1e-10, 2024-11-30 12:00:00, 0xDEADbeef 1234567890",
-    "x = [1,2,3]; y=x.append(4)\r\n",
-    "Ünïcödé àccents — “quotes” ‘single’ naïve café",
-    "   leading and trailing spaces   ",
-    "tabs\tand\u00a0nbsp\u2003em-space",
-    "<think>not special here</think> <｜User｜>",
-    "",
-    "!!!???...;;;\n\n",
-    "ŁÓDŹ Ωμέγα Кириллица עברית العربية",
-]
+# Varied text (Chinese, full-width punctuation, emoji, code, whitespace runs, digits, accents, specials, the
+# empty string): the texts that tools/ds4c/record.py also ran through ds4.c's own tokenizer, read from there so
+# there is one list.
+TEXTS = json.loads((Path(__file__).resolve().parents[1] / "data/oracle/ds4c_tokenizer.json").read_text())["texts"]
 
 JOYAI_REGEX = (r"\p{N}{1,3}|[一-龥぀-ゟ゠-ヿ]+|[\p{P}\p{S}][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -142,7 +130,8 @@ def test_pretokenizer_known_splits():
     assert pretokenize("a;\n\nb") == [b"a", b";\n\n", b"b"]
     assert pretokenize(".append(") == [b".append", b"("]
     assert pretokenize("中文abc") == ["中文".encode(), b"abc"]
-    assert b"".join(pretokenize(TEXTS[4])) == TEXTS[4].encode()
+    emoji = next(t for t in TEXTS if t.startswith("emoji"))
+    assert b"".join(pretokenize(emoji)) == emoji.encode()
 
 
 def test_chat_prompt_think_modes(oracle_vocab):

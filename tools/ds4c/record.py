@@ -58,6 +58,7 @@ TEXTS = [
     "\n\n\n",
     " ",
     "a\u0301 e\u0308 combining marks",
+    "",
 ]
 RENDERED = [
     "<｜begin▁of▁sentence｜>You are helpful.<｜User｜>Hi there<｜Assistant｜></think>Hello!<｜end▁of▁sentence｜>",
