@@ -85,8 +85,10 @@ def experts_mid_avx2_kernel(wg, wu, ids, rows, yq, yd, weights, clamp, grid, mas
         acc_g, acc_u = np.float32(0.0), np.float32(0.0)
         for b in range(wg.shape[1] // 66):
             o = b * 66 + 2                               # the block's bytes after its f16 d
-            acc_g += (_f16(lut, wg, row, o - 2) * yd[0, b]) * np.float32(_iq2_xxs_block_avx2(gr + o, yr + 256 * b, ga, ma))
-            acc_u += (_f16(lut, wu, row, o - 2) * yd[0, b]) * np.float32(_iq2_xxs_block_avx2(ur + o, yr + 256 * b, ga, ma))
+            bsum_g = _iq2_xxs_block_avx2(gr + o, yr + 256 * b, ga, ma)
+            bsum_u = _iq2_xxs_block_avx2(ur + o, yr + 256 * b, ga, ma)
+            acc_g += (_f16(lut, wg, row, o - 2) * yd[0, b]) * np.float32(bsum_g)
+            acc_u += (_f16(lut, wu, row, o - 2) * yd[0, b]) * np.float32(bsum_u)
         g, u = np.float32(0.125) * acc_g, np.float32(0.125) * acc_u
         if clamp > np.float32(1e-6):
             g = min(g, clamp)
