@@ -55,31 +55,6 @@ def runs_C(engine, golden_C):
     return _runs(engine, golden_C)
 
 
-@pytest.fixture(scope="module")
-def golden_bundled(oracle_dir):
-    """A third case, recorded by tools/ds4c/record.py from ds4.c (Makefile flags) on ds4ref's own bundled
-    model (writer seed 7): a 160-token prompt and 16 greedy steps, both paths, in the golden files' layout
-    (no indexer traces)."""
-    return np.load(oracle_dir / "ds4c_bundled.npz")
-
-
-@pytest.fixture(scope="module")
-def runs_bundled(golden_bundled):
-    """Free-running replays of the bundled case (the model file must be the one ds4.c ran)."""
-    import hashlib
-    from ds4ref.writer import default_model_path
-    path = default_model_path()
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == str(golden_bundled["model_sha256"]), \
-        f"{path} is not the bundled model ds4.c ran (writer output changed?)"
-    eng = Engine.open(path)
-    out = {}
-    for p in ("batch", "stream"):
-        tr = Trace(names=["exp_ids"])
-        out[p, False] = replay_golden(eng, golden_bundled, p, trace=tr)
-        out[p, False]["trace"] = tr
-    return out
-
-
 def _rows(run, golden, path):
     """(ours, ds4's) logit rows of one run: prompt or every stream position, then the steps."""
     if path == "batch":
@@ -136,6 +111,11 @@ def test_logits_with_own_decisions_within_loose_bounds(case, path, request):
 # tools/ds4c/rebuilds.py): how far ds4.c itself lands from its golden files. ds4ref may be at most this
 # much further than the furthest rebuild on each measure.
 REBUILD_SLACK = 1.10
+ROOT = Path(__file__).resolve().parents[1]
+# the cases the rebuild data cover (A and C of the shared oracle, "bundled" from tools/ds4c/record.py, and any
+# case added with `rebuilds.py --case`): name -> {"golden": file, "model": file or "bundled"}
+REBUILD_CASES = json.loads((ROOT / "data/oracle/rebuilds.json").read_text())["cases"]
+_FREE_RUNS: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +123,30 @@ def rebuilds(oracle_dir):
     data = np.load(oracle_dir / "rebuilds.npz")
     meta = json.loads((oracle_dir / "rebuilds.json").read_text())
     return data, [v for v in meta["variants"] if v != "golden"]
+
+
+def _yardstick_case(case: str, request):
+    """(golden arrays, free-running runs {(path, False): replay with an exp_ids trace}) of one rebuild case.
+    A and C share the module's oracle runs; other cases open their own model (the bundled one must be the
+    file ds4.c ran: its sha256 is in the golden file)."""
+    if case in ("A", "C"):
+        return request.getfixturevalue(f"golden_{case}"), request.getfixturevalue(f"runs_{case}")
+    if case not in _FREE_RUNS:
+        import hashlib
+        from ds4ref.writer import default_model_path
+        spec = REBUILD_CASES[case]
+        golden = np.load(ROOT / spec["golden"])
+        path = default_model_path() if spec["model"] == "bundled" else ROOT / spec["model"]
+        if "model_sha256" in golden.files:
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == str(golden["model_sha256"]), \
+                f"{path} is not the model ds4.c ran for case {case} (writer output changed?)"
+        eng, runs = Engine.open(path), {}
+        for p in ("batch", "stream"):
+            tr = Trace(names=["exp_ids"])
+            runs[p, False] = replay_golden(eng, golden, p, trace=tr)
+            runs[p, False]["trace"] = tr
+        _FREE_RUNS[case] = golden, runs
+    return _FREE_RUNS[case]
 
 
 def _expert_sets_differ(ids, golden, path):
@@ -160,13 +164,14 @@ def _distance_to_golden(m, differ, margin, argmax_differ) -> dict:
             "rows whose argmax differs": int(argmax_differ.sum())}
 
 
-def test_rebuild_data_reproduce_the_goldens_with_ds4s_own_flags(rebuilds, golden_A, golden_C, golden_bundled):
+def test_rebuild_data_reproduce_the_goldens_with_ds4s_own_flags(rebuilds):
     """The yardstick's harness is sound: built with ds4.c's Makefile flags it reproduces every golden row bit
     for bit (the one row a prefill produces to <= 1.5e-6, the code-generation effect data/oracle/README.md
     also reports for its instrumented build) and every recorded expert choice."""
     data, variants = rebuilds
-    assert len(variants) >= 5
-    for case, golden in (("A", golden_A), ("C", golden_C), ("bundled", golden_bundled)):
+    assert len(variants) >= 5 and {"A", "C", "bundled"} <= set(REBUILD_CASES)
+    for case, spec in REBUILD_CASES.items():
+        golden = np.load(ROOT / spec["golden"])
         for path in ("batch", "stream"):
             key = f"{case}.{path}.golden"
             exact = data[f"{key}.bit_exact_rows"]
@@ -176,7 +181,7 @@ def test_rebuild_data_reproduce_the_goldens_with_ds4s_own_flags(rebuilds, golden
                 assert not data[f"{case}.{path}.{v}.bit_exact_rows"].any()
 
 
-@pytest.mark.parametrize("case", ["A", "C", "bundled"])
+@pytest.mark.parametrize("case", list(REBUILD_CASES))
 @pytest.mark.parametrize("path", ["batch", "stream"])
 def test_as_close_to_ds4c_as_ds4c_rebuilt_with_other_flags(case, path, request, rebuilds, engine):
     """The acceptance yardstick: free-running ds4ref is no further from ds4.c's golden logits and expert
@@ -184,7 +189,7 @@ def test_as_close_to_ds4c_as_ds4c_rebuilt_with_other_flags(case, path, request, 
     vectorizer, 512-bit vectors), within REBUILD_SLACK, on every measure: worst and median row, the expert
     choices, and the rows whose argmax (the greedy token) differs from ds4.c's."""
     data, variants = rebuilds
-    runs, golden = request.getfixturevalue(f"runs_{case}"), request.getfixturevalue(f"golden_{case}")
+    golden, runs = _yardstick_case(case, request)
     margin = golden[f"trace_{path}_expert_margin"]
     ours_m = logit_agreement(*_rows(runs[path, False], golden, path))
     routed = [il for il in range(engine.cfg.n_layer) if il >= engine.cfg.n_hash_layer]   # same shape in every case

@@ -43,23 +43,34 @@ VARIANTS = {   # name -> compiler flags; "golden" is ds4.c's Makefile (CPU objec
 }
 
 
-def cases() -> dict:
-    """name -> (golden arrays, model path)."""
+# name -> (golden file, model): the model is a path relative to the repository, or "bundled" for the model
+# ds4ref.writer.default_model_path() writes. Add a case with --case NAME=GOLDEN.npz:MODEL.gguf (both inside
+# the repository, e.g. under data/oracle/): the golden file needs the arrays of data/oracle/README.md's
+# table (prompt_ids, prompt_logits, step_logits, greedy_tokens, stream_*, trace_*_expert_ids/_margin).
+CASES = {"A": ("data/oracle/golden_A.npz", "data/oracle/dev_seed1.gguf"),
+         "C": ("data/oracle/golden_C.npz", "data/oracle/dev_seed1.gguf"),
+         "bundled": ("data/oracle/ds4c_bundled.npz", "bundled")}
+
+
+def model_path(model: str) -> Path:
     from ds4ref.writer import default_model_path
-    out = {c: (np.load(ORACLE / f"golden_{c}.npz"), ORACLE / "dev_seed1.gguf") for c in "AC"}
-    bundled = ORACLE / "ds4c_bundled.npz"
-    if bundled.exists():
-        out["bundled"] = (np.load(bundled), default_model_path())
-    return out
+    return default_model_path() if model == "bundled" else ROOT / model
 
 
-def run_variant(name: str, flags: str, ds4: Path, work: Path) -> dict:
+def cases(extra: dict | None = None) -> dict:
+    """name -> (golden arrays, model path), for the cases whose golden file exists."""
+    table = CASES | (extra or {})
+    return {name: (np.load(ROOT / golden), model_path(model)) for name, (golden, model) in table.items()
+            if (ROOT / golden).exists()}
+
+
+def run_variant(name: str, flags: str, ds4: Path, work: Path, extra: dict | None = None) -> dict:
     d = work / name
     model_any = ORACLE / "dev_seed1.gguf"                  # every case has the tiny shape
     subprocess.run([str(ROOT / "tools/ds4c/build.sh"), str(ds4), str(model_any), str(d), *flags.split()],
                    check=True, capture_output=True)
     out = {}
-    for case, (g, model) in cases().items():
+    for case, (g, model) in cases(extra).items():
         n_prompt = len(g["prompt_ids"])
         for path, (steps_key, _, _) in PATHS.items():
             logits, _, log = run(d, model, path, g["prompt_ids"], g[steps_key], d / "run")
@@ -79,22 +90,32 @@ def main() -> None:
     ap.add_argument("--ds4", type=Path, required=True, help="a checkout of antirez/ds4 at commit 8d57664")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ds4c-rebuilds"))
     ap.add_argument("--only", nargs="*", help="variant names (default: all)")
+    ap.add_argument("--case", action="append", default=[], metavar="NAME=GOLDEN.npz:MODEL.gguf",
+                    help="one more case (paths relative to the repository); repeatable")
     ap.add_argument("--out", type=Path, default=ORACLE / "rebuilds.npz",
                     help="where to write (the .json goes next to it); use another path with --only")
     args = ap.parse_args()
+    extra = {}
+    for spec in args.case:
+        name, _, files = spec.partition("=")
+        golden, _, model = files.partition(":")
+        if not (name and golden and model):
+            raise SystemExit(f"--case {spec!r}: expected NAME=GOLDEN.npz:MODEL.gguf")
+        extra[name] = (golden, model)
     data = {}
     for name, flags in VARIANTS.items():
         if args.only and name not in args.only:
             continue
         print(f"{name:12s} {flags}", flush=True)
-        data.update(run_variant(name, flags, args.ds4, args.work))
+        data.update(run_variant(name, flags, args.ds4, args.work, extra))
     np.savez_compressed(args.out, **data)
     cc = subprocess.run([os.environ.get("CC", "gcc"), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
                 if l.startswith("model name")), platform.processor())
     meta = {"ds4_commit": "8d576642c39b9a2d782a80159ba84ef5a81c0b81", "compiler": cc, "cpu": cpu,
             "variants": {k: v for k, v in VARIANTS.items() if not args.only or k in args.only},
-            "cases": sorted(cases()),
+            "cases": {name: {"golden": golden, "model": model} for name, (golden, model) in (CASES | extra).items()
+                      if (ROOT / golden).exists()},
             "how": "tools/ds4c/rebuilds.py: build.sh (shape_patch.py + ds4c_run.c), 1 thread, ctx 1024",
             "keys": "{case}.{path}.{variant}.{corr,mean_abs,max_abs,bit_exact_rows,argmax,expert_ids}; rows as the "
                     "golden arrays: stream = stream_pos_logits then stream_step_logits; batch = prompt_logits "
