@@ -81,3 +81,21 @@ def test_expert_log_layout_and_margins_match_the_golden_traces(tmp_path):
             assert np.array_equal(ids[p, l], want), (path, p, l)
             v = scores[p, l]
             assert margin[p, l] == np.sort(v)[-6] - np.sort(v)[-7]      # 6th best minus 7th best
+
+
+def test_bench_ds4c_runs_the_driver_warmed_and_reads_its_timings(tmp_path):
+    """The engine benchmark's ds4.c rows: `bench_ds4c` calls ds4c_run's bench mode (here a stand-in script that
+    records its arguments and environment) with the prompt, the step count, the thread count and DS4C_WARM, and
+    turns the three timings it writes into a row like bench_backend's."""
+    from ds4ref.bench_engine import bench_ds4c
+    exe = tmp_path / "ds4c_run"
+    exe.write_text("#!/bin/sh\n"
+                   'echo "$1 $2 $4 $DS4C_THREADS $DS4C_WARM" > "$(dirname "$0")/args.txt"\n'
+                   'cp "$3" "$(dirname "$0")/ids.bin"\n'
+                   'echo "0.5 0.25 0.2" > "$5"\n')
+    exe.chmod(0o755)
+    r = bench_ds4c(tmp_path, "model.gguf", [0, 5, 7, 9], steps=3, threads=2)   # a build dir is accepted too
+    assert (tmp_path / "args.txt").read_text().split() == ["model.gguf", "bench", "3", "2", "1"]
+    assert np.fromfile(tmp_path / "ids.bin", "<i4").tolist() == [0, 5, 7, 9]
+    assert r["label"] == "ds4.c 2t" and r["prefill_tok_s"] == 8.0 and r["decode_tok_s"] == 4.0
+    assert r["decode_s_per_token_min"] == 0.2 and r["profile"] == []
