@@ -237,39 +237,36 @@ _q2_K_block_avx2 = _q2_K_block_intrinsic(256)
 _q2_K_block_avx512 = _q2_K_block_intrinsic(512)
 
 
+@njit(inline="always")
+def _q2_K_row_simd(block, w, r, yq, yd, ybs, t, lut):
+    """Row r of w against Q8_K activation row t (yq int8; each array's rows contiguous), each 256-value block
+    by `block`, one of the byte-dot intrinsics above; the float sum over blocks as in q2_K_kernel."""
+    wr = w.ctypes.data + r * w.strides[0]                # addresses of row r and token t's values and bsums
+    yr, br = yq.ctypes.data + t * yq.strides[0], ybs.ctypes.data + t * ybs.strides[0]
+    acc = np.float32(0.0)
+    for b in range(w.shape[1] // 84):
+        isum, summs = block(wr + 84 * b, yr + 256 * b, br + 32 * b)
+        dall = yd[t, b] * _f16(lut, w, r, 84 * b + 80)
+        dmin = yd[t, b] * _f16(lut, w, r, 84 * b + 82)
+        acc += dall * np.float32(isum) - dmin * np.float32(summs)
+    return acc
+
+
 @njit(parallel=True, cache=True)
 def q2_K_avx2_kernel(w, yq, yd, ybs, lut, out):
     """As q2_K_kernel (yq int8 here, each array's rows contiguous), each block by AVX2 byte dot products.
     Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
-    nb = w.shape[1] // 84
     for r in prange(w.shape[0]):
-        wr = w.ctypes.data + r * w.strides[0]            # addresses of row r and token t's values and bsums
         for t in range(yq.shape[0]):
-            yr, br = yq.ctypes.data + t * yq.strides[0], ybs.ctypes.data + t * ybs.strides[0]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                isum, summs = _q2_K_block_avx2(wr + 84 * b, yr + 256 * b, br + 32 * b)
-                dall = yd[t, b] * _f16(lut, w, r, 84 * b + 80)
-                dmin = yd[t, b] * _f16(lut, w, r, 84 * b + 82)
-                acc += dall * np.float32(isum) - dmin * np.float32(summs)
-            out[t, r] = acc
+            out[t, r] = _q2_K_row_simd(_q2_K_block_avx2, w, r, yq, yd, ybs, t, lut)
 
 
 @njit(parallel=True, cache=True)
 def q2_K_avx512_kernel(w, yq, yd, ybs, lut, out):
     """As q2_K_avx2_kernel, with 512-bit vectors (AVX-512BW). Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1769)"""
-    nb = w.shape[1] // 84
     for r in prange(w.shape[0]):
-        wr = w.ctypes.data + r * w.strides[0]            # addresses of row r and token t's values and bsums
         for t in range(yq.shape[0]):
-            yr, br = yq.ctypes.data + t * yq.strides[0], ybs.ctypes.data + t * ybs.strides[0]
-            acc = np.float32(0.0)
-            for b in range(nb):
-                isum, summs = _q2_K_block_avx512(wr + 84 * b, yr + 256 * b, br + 32 * b)
-                dall = yd[t, b] * _f16(lut, w, r, 84 * b + 80)
-                dmin = yd[t, b] * _f16(lut, w, r, 84 * b + 82)
-                acc += dall * np.float32(isum) - dmin * np.float32(summs)
-            out[t, r] = acc
+            out[t, r] = _q2_K_row_simd(_q2_K_block_avx512, w, r, yq, yd, ybs, t, lut)
 
 
 def q2_K_simd_kernels() -> list:
@@ -381,24 +378,30 @@ def _iq2_xxs_block_intrinsic():
 _iq2_xxs_block_avx2 = _iq2_xxs_block_intrinsic()
 
 
+@njit(inline="always")
+def _iq2_xxs_pair_row_avx2(wg, wu, r, yq, yd, t, ga, ma, lut):
+    """(gate, up) of row r of wg and wu against Q8_K activation row t, each block by the AVX2 byte-dot block
+    (ga, ma: addresses of IQ2XXS_GRID and IQ2XXS_SIGN_MASKS); the float sums as in _iq2_xxs_row."""
+    gr, ur = wg.ctypes.data + r * wg.strides[0], wu.ctypes.data + r * wu.strides[0]
+    yr = yq.ctypes.data + t * yq.strides[0]
+    acc_g, acc_u = np.float32(0.0), np.float32(0.0)
+    for b in range(wg.shape[1] // 66):
+        o = b * 66 + 2                                   # the block's bytes after its f16 d
+        bsum_g = _iq2_xxs_block_avx2(gr + o, yr + 256 * b, ga, ma)
+        bsum_u = _iq2_xxs_block_avx2(ur + o, yr + 256 * b, ga, ma)
+        acc_g += (_f16(lut, wg, r, o - 2) * yd[t, b]) * np.float32(bsum_g)
+        acc_u += (_f16(lut, wu, r, o - 2) * yd[t, b]) * np.float32(bsum_u)
+    return np.float32(0.125) * acc_g, np.float32(0.125) * acc_u
+
+
 @njit(parallel=True, cache=True)
 def iq2_xxs_pair_avx2_kernel(wg, wu, yq, yd, grid, masks, lut, out_g, out_u):
     """As iq2_xxs_pair_kernel (masks: IQ2XXS_SIGN_MASKS; yq int8 in [-127, 127]; each array's rows contiguous),
     each block by AVX2 byte dot products. Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
     ga, ma = grid.ctypes.data, masks.ctypes.data
     for r in prange(wg.shape[0]):
-        gr, ur = wg.ctypes.data + r * wg.strides[0], wu.ctypes.data + r * wu.strides[0]
         for t in range(yq.shape[0]):
-            yr = yq.ctypes.data + t * yq.strides[0]
-            acc_g, acc_u = np.float32(0.0), np.float32(0.0)
-            for b in range(wg.shape[1] // 66):
-                o = b * 66 + 2                           # the block's bytes after its f16 d
-                bsum_g = _iq2_xxs_block_avx2(gr + o, yr + 256 * b, ga, ma)
-                bsum_u = _iq2_xxs_block_avx2(ur + o, yr + 256 * b, ga, ma)
-                acc_g += (_f16(lut, wg, r, o - 2) * yd[t, b]) * np.float32(bsum_g)
-                acc_u += (_f16(lut, wu, r, o - 2) * yd[t, b]) * np.float32(bsum_u)
-            out_g[t, r] = np.float32(0.125) * acc_g
-            out_u[t, r] = np.float32(0.125) * acc_u
+            out_g[t, r], out_u[t, r] = _iq2_xxs_pair_row_avx2(wg, wu, r, yq, yd, t, ga, ma, lut)
 
 
 def iq2_xxs_simd_kernels() -> list:

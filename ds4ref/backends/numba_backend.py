@@ -15,8 +15,9 @@ from ds4ref.numba_kernels import run_kernel                         # compiles w
 # fused expert kernels below, so one row of an expert is computed exactly as a plain matvec computes it
 from ds4ref.numba_kernels import F16_TO_F32, IQ2XXS_GRID, IQ2XXS_SIGNS, _iq2_xxs_row, _q2_K_row
 # ... and its byte-dot blocks (llvmlite intrinsics; chosen from the host CPU's features, as in chapter 03)
-from ds4ref.numba_kernels import (IQ2_XXS_SIMD, IQ2XXS_SIGN_MASKS, Q2_K_SIMD, _f16, _iq2_xxs_block_avx2,
-                                  _q2_K_block_avx2, _q2_K_block_avx512, q2_K_avx2_kernel, q2_K_avx512_kernel)
+from ds4ref.numba_kernels import (IQ2_XXS_SIMD, IQ2XXS_SIGN_MASKS, Q2_K_SIMD, _iq2_xxs_pair_row_avx2,
+                                  _q2_K_block_avx2, _q2_K_block_avx512, _q2_K_row_simd, q2_K_avx2_kernel,
+                                  q2_K_avx512_kernel)
 from ds4ref.quant import quantize_q8_K
 
 def prefer_workqueue_threads() -> str:
@@ -73,41 +74,18 @@ def experts_down_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
 
 @njit(parallel=True, cache=True)
 def experts_mid_avx2_kernel(wg, wu, ids, rows, yq, yd, weights, clamp, grid, masks, lut, mid):
-    """As experts_mid_kernel (masks: IQ2XXS_SIGN_MASKS; yq int8 in [-127, 127]), each 256-value block by
-    chapter 03's AVX2 byte-dot block, which gives the portable row's integer block sums exactly.
-    Mirrors ds4.c: matvec_iq2_xxs_mid_worker (l. 3893)"""
+    """As experts_mid_kernel (masks: IQ2XXS_SIGN_MASKS; yq int8 in [-127, 127]), each row by chapter 03's
+    AVX2 byte-dot pair row, which gives the portable row's bits. Mirrors ds4.c: matvec_iq2_xxs_mid_worker (l. 3893)"""
     k = ids.shape[0]
-    ga, ma, yr = grid.ctypes.data, masks.ctypes.data, yq.ctypes.data
+    ga, ma = grid.ctypes.data, masks.ctypes.data
     for job in prange(k * rows):
         s = job // rows
         row = np.int64(ids[s]) * rows + (job - s * rows)
-        gr, ur = wg.ctypes.data + row * wg.strides[0], wu.ctypes.data + row * wu.strides[0]
-        acc_g, acc_u = np.float32(0.0), np.float32(0.0)
-        for b in range(wg.shape[1] // 66):
-            o = b * 66 + 2                               # the block's bytes after its f16 d
-            bsum_g = _iq2_xxs_block_avx2(gr + o, yr + 256 * b, ga, ma)
-            bsum_u = _iq2_xxs_block_avx2(ur + o, yr + 256 * b, ga, ma)
-            acc_g += (_f16(lut, wg, row, o - 2) * yd[0, b]) * np.float32(bsum_g)
-            acc_u += (_f16(lut, wu, row, o - 2) * yd[0, b]) * np.float32(bsum_u)
-        g, u = np.float32(0.125) * acc_g, np.float32(0.125) * acc_u
+        g, u = _iq2_xxs_pair_row_avx2(wg, wu, row, yq, yd, 0, ga, ma, lut)
         if clamp > np.float32(1e-6):
             g = min(g, clamp)
             u = min(max(u, -clamp), clamp)
         mid[s, job - s * rows] = g * _sigmoid_stable(g) * u * weights[s]
-
-
-@njit(inline="always")
-def _q2_K_row_simd(block, wd, row, yq, yd, ybs, s, lut):
-    """Row `row` of wd against Q8_K activation row s, each block by `block` (a byte-dot intrinsic)."""
-    wr = wd.ctypes.data + row * wd.strides[0]
-    yr, br = yq.ctypes.data + s * yq.strides[0], ybs.ctypes.data + s * ybs.strides[0]
-    acc = np.float32(0.0)
-    for b in range(wd.shape[1] // 84):
-        isum, summs = block(wr + 84 * b, yr + 256 * b, br + 32 * b)
-        dall = yd[s, b] * _f16(lut, wd, row, 84 * b + 80)
-        dmin = yd[s, b] * _f16(lut, wd, row, 84 * b + 82)
-        acc += dall * np.float32(isum) - dmin * np.float32(summs)
-    return acc
 
 
 @njit(parallel=True, cache=True)
