@@ -259,6 +259,16 @@ def bench_cuda_kernels(repeats: int = 50) -> dict:
     return out
 
 
+def add_run(model: str, entry: dict, r: dict) -> None:
+    """Record one timed row under its model (with the weight GB/s it implies) and print it.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    r["decode_gbps"] = entry["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
+    entry["runs"].append(r)
+    print(f"{model:8s} {r.get('label', r['backend']):9s} prefill {r['prefill_tok_s']:8.2f} tok/s  decode "
+          f"{r['decode_tok_s']:8.2f} tok/s  {r['decode_gbps']:6.2f} GB/s")
+
+
 def main(argv=None) -> dict:
     """`python -m ds4ref.bench engine [options]`: run the benchmark, print the table, write the results file.
 
@@ -323,19 +333,12 @@ def main(argv=None) -> dict:
                 if threads is not None:
                     r["threads"] = threads
                     r["label"] = f"numba {threads}t"
-                r["decode_gbps"] = entry["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
-                entry["runs"].append(r)
-                print(f"{model:8s} {r.get('label', b):9s} prefill {r['prefill_tok_s']:8.2f} tok/s  decode "
-                      f"{r['decode_tok_s']:8.2f} tok/s  {r['decode_gbps']:6.2f} GB/s")
+                add_run(model, entry, r)
             if b == "numba":
                 set_num_threads(max(numba_threads))
         if args.ds4c is not None and model == "wide":       # the real ds4.c, side by side in this run
             for threads in sorted({os.cpu_count() or 1, 1}, reverse=True):
-                r = bench_ds4c(args.ds4c, path, prompt, args.steps, threads)
-                r["decode_gbps"] = entry["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
-                entry["runs"].append(r)
-                print(f"{model:8s} {r['label']:9s} prefill {r['prefill_tok_s']:8.2f} tok/s  decode "
-                      f"{r['decode_tok_s']:8.2f} tok/s  {r['decode_gbps']:6.2f} GB/s")
+                add_run(model, entry, bench_ds4c(args.ds4c, path, prompt, args.steps, threads))
         results["models"][model] = entry
     results["load_average_after"] = list(os.getloadavg())     # other work on a shared machine shows here
     results["read_bandwidth_end"] = bw_end = read_bandwidth()

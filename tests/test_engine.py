@@ -191,10 +191,10 @@ def test_as_close_to_ds4c_as_ds4c_rebuilt_with_other_flags(case, path, request, 
     data, variants = rebuilds
     golden, runs = _yardstick_case(case, request)
     margin = golden[f"trace_{path}_expert_margin"]
-    ours_m = logit_agreement(*_rows(runs[path, False], golden, path))
+    ours_rows, ref = _rows(runs[path, False], golden, path)
+    ours_m = logit_agreement(ours_rows, ref)
     routed = [il for il in range(engine.cfg.n_layer) if il >= engine.cfg.n_hash_layer]   # same shape in every case
     ours_ids = np.stack([runs[path, False]["trace"].series("exp_ids", il)[1] for il in routed], axis=1)
-    ours_rows, ref = _rows(runs[path, False], golden, path)
     ref_argmax = np.argmax(ref, axis=-1)
     ours = _distance_to_golden(ours_m, _expert_sets_differ(ours_ids, golden, path), margin,
                                np.argmax(ours_rows, axis=-1) != ref_argmax)

@@ -23,21 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ds4c_io import run  # noqa: E402
 
 from ds4ref.bench_engine import wide_model_path  # noqa: E402
-from ds4ref.engine import Engine, logit_agreement  # noqa: E402
+from ds4ref.engine import Engine, logit_agreement, replay_golden  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 N_PROMPT, N_STEPS = 32, 8
 
 
 def ds4ref_rows(eng: Engine, path: str, prompt: list[int], steps: np.ndarray) -> np.ndarray:
-    s = eng.session(ctx_size=256)
-    if path == "batch":
-        s.sync(prompt)
-        rows = [s.logits.copy()]
-    else:
-        s.sync(prompt[:1])
-        rows = [s.logits.copy()] + [s.eval(t).copy() for t in prompt[1:]]
-    return np.stack(rows + [s.eval(int(t)).copy() for t in steps])
+    """ds4ref's logit rows for ds4.c's replay of `path`: replay_golden with the prompt and ds4's steps."""
+    run = replay_golden(eng, {"prompt_ids": prompt, "greedy_tokens": steps, "stream_greedy_tokens": steps}, path)
+    first = run["pos_logits"] if path == "stream" else run["prompt_logits"][None]
+    return np.concatenate([first, run["step_logits"]])
 
 
 def summary(ours: np.ndarray, ref: np.ndarray) -> dict:
