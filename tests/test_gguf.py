@@ -441,6 +441,25 @@ def test_bad_metadata_values(tmp_path):
         GGUFFile(tmp_path / "al.gguf")
 
 
+def test_string_arrays_are_read_fast_and_fail_at_the_bad_element(tmp_path):
+    """Cursor.strings reads a whole string array in one loop; a bad element still gets
+    string()'s error, naming the element."""
+    words = ["ab", "wörd" * 8, "", "cd"]
+    meta = [("a.sarr", (V.ARRAY, V.STRING), words)]
+    raw = _small_gguf(tmp_path, extra_meta=meta).read_bytes()
+    assert _reads(raw).metadata["a.sarr"] == words
+    j = raw.index("wörd".encode())
+    with pytest.raises(GGUFError, match=r"'a.sarr'\[1\]: string is not valid UTF-8 "
+                                        rf"\(invalid start byte at byte {j + 1}\)"):
+        _reads(raw[:j + 1] + b"\xff" + raw[j + 2:])
+    k = raw.index(struct.pack("<Q", 2) + b"cd")
+    with pytest.raises(GGUFError, match=r"'a.sarr'\[3\] \(length\): truncated GGUF"):
+        _reads(raw[:k + 4])
+    huge = rf"'a.sarr'\[3\]: truncated GGUF file, needs {2**40} bytes"
+    with pytest.raises(GGUFError, match=huge):
+        _reads(raw[:k] + struct.pack("<Q", 2**40) + raw[k + 8:])
+
+
 def test_duplicate_keys_and_tensor_names(tmp_path):
     with pytest.raises(GGUFError, match="metadata key 'a.u8': duplicate key"):
         GGUFFile(_small_gguf(tmp_path, extra_meta=[("a.u8", (V.UINT8,), 1)]))
