@@ -103,10 +103,10 @@ def write_gguf(path, metadata: list[tuple[str, tuple, object]],
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(header + b"\0" * pad(len(header)))
-            if hole:                        # seek + truncate: no data block is written
+            if hole:    # full size first, so that no write extends (and preallocates)
                 f.truncate(len(header) + pad(len(header)) + rel)
                 tensors = ()
+            f.write(header + b"\0" * pad(len(header)))
             for t in tensors:
                 n = 0
                 for chunk in t.chunks():
