@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="top-p in (0, 1]")
     p.add_argument("--min-p", type=float, default=0.05, help="min-p in [0, 1]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: time-based)")
-    p.add_argument("--backend", default="numpy", help="numpy, or a chapter-09 backend (numba, mlx, cupy, auto)")
+    p.add_argument("--backend", default="auto",
+                   help="auto (default: a backend verified on this hardware, said on stderr), numpy, numba, mlx or cupy")
     p.add_argument("--summary", action="store_true", help="print the model summary and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--warm-weights", action="store_true",

@@ -45,7 +45,9 @@ class BackendError(ValueError):
 
 
 def resolve_backend(backend):
-    """A backend object from a name ("numpy", or a name chapter 09's get_backend knows) or an object."""
+    """A backend object from a name ("numpy", "auto" or another name chapter 09's get_backend knows) or an object.
+
+    "auto" takes a backend verified on this kind of hardware (chapter 09's choose_backend) and says which on stderr."""
     if not isinstance(backend, str):
         return backend
     if backend == "numpy":
@@ -72,8 +74,9 @@ class Engine:
         self.tokenizer, self.backend = tokenizer, backend
 
     @classmethod
-    def open(cls, path=None, backend="numpy") -> "Engine":
-        """Load and validate a DS4 GGUF (default: the bundled model) and pick a backend."""
+    def open(cls, path=None, backend="auto") -> "Engine":
+        """Load and validate a DS4 GGUF (default: the bundled model) and pick a backend ("auto": one verified on this
+        kind of hardware, numba on a CPU; or a name, or a backend object)."""
         from ds4ref.weights import load_model
         if path is None:
             from ds4ref.writer import default_model_path

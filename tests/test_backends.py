@@ -6,16 +6,21 @@ GPU (conftest.py); tools/gpu_check.sh runs them on a lent GPU machine. The kerne
 """
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
 import subprocess
+import sys
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from ds4ref import backends
 from ds4ref.backend import NUMPY
-from ds4ref.backends import BACKENDS, BackendError, available_backends, backend_status, get_backend
+from ds4ref.backends import (BACKENDS, HARDWARE, VERIFIED, BackendError, available_backends, backend_status,
+                             choose_backend, get_backend)
 from ds4ref.backends.cupy_backend import KERNEL_FILES, KERNEL_NAMES, kernel_source
 from ds4ref.engine import Engine, logit_agreement, replay_golden
 from ds4ref.matvec import MatvecError
@@ -92,12 +97,61 @@ def test_get_backend_knows_every_name_and_rejects_others():
     assert set(available_backends()) <= set(BACKENDS)
 
 
-def test_auto_picks_the_fastest_available_and_says_which(capsys):
+def test_auto_picks_numba_on_the_cpu_and_says_why(capsys):
     be = get_backend("auto")
     err = capsys.readouterr().err
-    assert f"backend 'auto' -> {be.name}" in err
-    ok_cupy = backend_status("cupy")[0]
-    assert be.name == ("cupy" if ok_cupy else "numba")       # no Metal GPU on a Linux CI machine
+    assert be.name == "numba"
+    assert err.startswith("backend: numba (auto: CPU; numba is verified against ds4.c's oracle on CPUs;")
+    assert "MLX's Metal path" in err and "CUDA" in err and "have not run on their hardware yet" in err
+
+
+def test_auto_falls_back_to_numpy_when_numba_does_not_import(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "numba", None)          # `import numba` now raises ImportError
+    name, why = choose_backend()
+    assert name == "numpy" and "numba does not import (ModuleNotFoundError" in why and "numpy reference" in why
+    assert get_backend("auto") is NUMPY
+    assert capsys.readouterr().err.startswith("backend: numpy (auto: CPU; numba does not import")
+
+
+def test_auto_takes_no_accelerator_without_a_verification_record(monkeypatch):
+    probed = []
+    monkeypatch.setattr(backends, "hardware_present", lambda hw: probed.append(hw) or True)  # every GPU "present"
+    assert ("cupy", "cuda") not in VERIFIED and ("mlx", "apple-gpu") not in VERIFIED    # nothing has run there yet
+    assert choose_backend()[0] == "numba"
+    assert probed == []                                      # unverified hardware is not even probed
+    name, why = choose_backend({**VERIFIED, ("cupy", "cuda"): "book/results/cuda_check.json"})
+    assert (name, probed) == ("cupy", ["cuda"]) and "book/results/cuda_check.json" in why
+    name, why = choose_backend({**VERIFIED, ("mlx", "apple-gpu"): "tests/test_backends.py -m metal"})
+    assert name == "mlx" and why.startswith("auto: an Apple GPU (Metal); mlx is verified")
+    monkeypatch.setattr(backends, "hardware_present", lambda hw: False)               # a record, but no GPU here
+    assert choose_backend({**VERIFIED, ("cupy", "cuda"): "x"}) == \
+        ("numba", "auto: CPU; numba is verified against ds4.c's oracle on CPUs; MLX's Metal path has not run on "
+                  "its hardware yet")
+
+
+def test_every_verification_record_names_evidence_in_the_repository():
+    root = Path(__file__).resolve().parents[1]
+    for (name, hw), evidence in VERIFIED.items():
+        assert name in BACKENDS and hw in HARDWARE, (name, hw)
+        paths = re.findall(r"(?:tests|book)/[\w./]+\.(?:py|json|ipynb)", evidence)
+        assert paths and all((root / p).exists() for p in paths), (name, hw, evidence)
+
+
+def test_an_explicit_backend_name_is_what_you_get(oracle_gguf, capsys):
+    assert Engine.open(oracle_gguf, backend="numpy").backend is NUMPY
+    assert get_backend("mlx").name == "mlx"                  # an explicit name is not held to the records
+    assert "backend:" not in capsys.readouterr().err         # only 'auto' explains itself
+
+
+def test_engine_and_cli_default_to_auto(oracle_gguf, capsys):
+    from ds4ref.__main__ import build_parser, main
+    assert inspect.signature(Engine.open).parameters["backend"].default == "auto"
+    assert build_parser().parse_args([]).backend == "auto"
+    assert Engine.open(oracle_gguf).backend.name == "numba"
+    assert capsys.readouterr().err.startswith("backend: numba (auto: CPU;")
+    assert main(["-m", str(oracle_gguf), "-p", "Hi", "-n", "2", "--temp", "0", "--no-progress"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("backend: numba (auto: CPU; numba is verified") and "backend=numba" in err[-1]
 
 
 def test_unavailable_backend_raises_named_error():

@@ -31,7 +31,7 @@ ORACLE_TRACE = ["exp_ids", "idx_selected", "router_biased", *SHADOW_TRACE]
 
 @pytest.fixture(scope="module")
 def engine(oracle_gguf):
-    return Engine.open(oracle_gguf)
+    return Engine.open(oracle_gguf, backend="numpy")          # the reference (the default "auto" is numba)
 
 
 def _runs(engine, golden):
@@ -140,7 +140,7 @@ def _yardstick_case(case: str, request):
         if "model_sha256" in golden.files:
             assert hashlib.sha256(path.read_bytes()).hexdigest() == str(golden["model_sha256"]), \
                 f"{path} is not the model ds4.c ran for case {case} (writer output changed?)"
-        eng, runs = Engine.open(path), {}
+        eng, runs = Engine.open(path, backend="numpy"), {}
         for p in ("batch", "stream"):
             tr = Trace(names=["exp_ids"])
             runs[p, False] = replay_golden(eng, golden, p, trace=tr)
@@ -598,7 +598,7 @@ def small_engine(tmp_path_factory):
     cfg = dataclasses.replace(ModelConfig.tiny(), n_layer=3, compress_ratios=(0, 0, 4), n_swa=8,
                               indexer_top_k=2)
     path = write_model(tmp_path_factory.mktemp("small") / "small.gguf", cfg, seed=3)
-    return Engine.open(path)
+    return Engine.open(path, backend="numpy")
 
 
 ops = st.lists(st.one_of(
@@ -658,6 +658,8 @@ def test_cli_generates_and_reports_speeds(oracle_gguf):
     assert r.returncode == 0, r.stderr
     assert "prefill:" in r.stderr and "decode:" in r.stderr and "tok/s" in r.stderr
     assert len(r.stdout) > 0
+    # a first run with no --backend: 'auto' picks numba on a CPU and says why (issue 11)
+    assert r.stderr.startswith("backend: numba (auto: CPU; numba is verified against ds4.c's oracle on CPUs")
 
 
 def test_cli_greedy_output_equals_session_argmax(oracle_gguf, engine):
@@ -666,7 +668,8 @@ def test_cli_greedy_output_equals_session_argmax(oracle_gguf, engine):
     import io
     buf, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-        assert main(["-m", str(oracle_gguf), "-p", "hi", "-n", "3", "--temp", "0", "--no-progress"]) == 0
+        assert main(["-m", str(oracle_gguf), "-p", "hi", "-n", "3", "--temp", "0", "--no-progress",
+                     "--backend", "numpy"]) == 0                  # the same backend as `engine`
     tok = engine.tokenizer
     s = engine.session(1024)
     s.sync(tok.chat_prompt("hi", "You are a helpful assistant", "high"))

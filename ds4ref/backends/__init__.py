@@ -12,7 +12,17 @@ import numpy as np
 from ds4ref.backend import NUMPY, NumpyBackend
 
 BACKENDS = ("numpy", "numba", "mlx", "cupy")
-AUTO_ORDER = ("cupy", "mlx", "numba", "numpy")   # fastest first, where each one's hardware exists
+
+# 'auto' takes a backend only on a kind of hardware where its results have been checked against ds4.c's
+# oracle. One record per (backend, hardware), naming the evidence. MLX's Metal path has not run on an Apple
+# GPU yet, and no CUDA results are recorded in book/results/: those records stay absent until they are.
+VERIFIED: dict[tuple[str, str], str] = {
+    ("numba", "cpu"): "tests/test_backends.py (every op on ds4.c's ops_A, the golden logits) and the parity "
+                      "section of book/09_backends.ipynb",
+    ("numpy", "cpu"): "the reference: tests/test_engine.py (the rebuild yardstick) and book/10_oracle.ipynb",
+}
+HARDWARE = {"cuda": "an NVIDIA GPU (CUDA)", "apple-gpu": "an Apple GPU (Metal)", "cpu": "CPU"}
+ACCELERATORS = (("cupy", "cuda", "CUDA"), ("mlx", "apple-gpu", "MLX's Metal path"))   # tried first, in this order
 
 
 class BackendError(ValueError):
@@ -51,9 +61,49 @@ def _mlx_gpu() -> bool:
     return mx.metal.is_available()
 
 
-def _auto_usable(name: str) -> bool:
-    # MLX on a CPU is slower than numba's kernels: 'auto' takes MLX only where it has an Apple GPU
-    return name != "mlx" or _mlx_gpu()
+def hardware_present(hw: str) -> bool:
+    """Whether this machine has the hardware kind `hw` ("cpu", "cuda", "apple-gpu") and its package.
+
+    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make cpu / metal / cuda)"""
+    if hw == "cpu":
+        return True
+    if hw == "cuda":
+        return backend_status("cupy")[0]
+    if hw == "apple-gpu":
+        return importlib.util.find_spec("mlx") is not None and _mlx_gpu()
+    raise BackendError(f"hardware {hw!r}: unknown; one of {', '.join(HARDWARE)}")
+
+
+def _numba_import_error() -> str | None:
+    try:
+        import numba  # noqa: F401
+    except Exception as exc:              # ImportError, or a broken install (llvmlite mismatch)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def choose_backend(verified: dict | None = None) -> tuple[str, str]:
+    """What 'auto' takes here: (backend name, why). An accelerator only with a record in `verified` (default
+    VERIFIED) for its hardware and that hardware present; else numba on the CPU if numba imports, else numpy.
+
+    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make cpu / metal / cuda)"""
+    verified = VERIFIED if verified is None else verified
+    unverified = []
+    for name, hw, label in ACCELERATORS:
+        if (name, hw) not in verified:
+            unverified.append(label)
+        elif hardware_present(hw):         # probed only where a record exists: no GPU package is imported today
+            return name, f"auto: {HARDWARE[hw]}; {name} is verified on it ({verified[name, hw]})"
+    if unverified:
+        rest = " and ".join(unverified) + (" have not run on their hardware yet" if len(unverified) > 1 else
+                                           " has not run on its hardware yet")
+    else:
+        rest = "no verified accelerator is present"
+    err = _numba_import_error()
+    if err is None and ("numba", "cpu") in verified:
+        return "numba", f"auto: CPU; numba is verified against ds4.c's oracle on CPUs; {rest}"
+    why = f"numba does not import ({err})" if err else "numba has no CPU record"
+    return "numpy", f"auto: CPU; {why}, so the numpy reference; {rest}"
 
 
 _INSTANCES: dict[str, NumpyBackend] = {}
@@ -62,20 +112,16 @@ _INSTANCES: dict[str, NumpyBackend] = {}
 def get_backend(name: str = "auto", verbose: bool = True) -> NumpyBackend:
     """The backend called `name` ('numpy', 'numba', 'mlx', 'cupy' or 'auto'), built once and reused.
 
-    'auto' takes the first usable of cupy (a CUDA GPU), mlx (an Apple GPU), numba, numpy and says which
-    on stderr. Raises BackendError for an unknown name or a backend this machine cannot run.
+    'auto' takes `choose_backend()`'s pick (a backend verified on this kind of hardware) and, with `verbose`,
+    says on stderr which and why. Raises BackendError for an unknown name or a backend this machine cannot run.
     Mirrors ds4.c: ds4_engine_open's backend choice (l. 17165; CPU, Metal or CUDA at build time)."""
     if not isinstance(name, str):
         raise BackendError(f"backend: expected a name, got {type(name).__name__}")
     key = name.strip().lower()
     if key == "auto":
-        for cand in AUTO_ORDER:
-            ok, why = backend_status(cand)
-            if ok and _auto_usable(cand):
-                be = get_backend(cand, verbose=False)
-                if verbose:
-                    print(f"ds4ref: backend 'auto' -> {cand} ({why})", file=sys.stderr)
-                return be
+        key, why = choose_backend()
+        if verbose:
+            print(f"backend: {key} ({why})", file=sys.stderr)
     ok, why = backend_status(key)
     if not ok:
         raise BackendError(f"backend {key!r} is not available here: {why}")

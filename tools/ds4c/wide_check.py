@@ -52,7 +52,7 @@ def main() -> None:
     model = wide_model_path(args.cache_dir)
     rnd = random.Random(4242)
     prompt = [0] + [rnd.randrange(2, 1024) for _ in range(N_PROMPT - 1)]
-    eng = Engine.open(model)
+    eng = Engine.open(model, backend="numpy")          # the reference: the json labels it "ds4ref (numpy)"
     res = {"model": model.name, "prompt": prompt, "n_layer": eng.cfg.n_layer, "n_embd": eng.cfg.n_embd,
            "n_head": eng.cfg.n_head, "n_expert": eng.cfg.n_expert, "paths": {}}
     work = Path("/tmp/ds4c-wide-check")
