@@ -159,7 +159,7 @@ def filtered_distribution(logits: np.ndarray, temperature: float, top_k: int = 0
 
 
 def argmax_excluding(logits: np.ndarray, excluded_id: int) -> int:
-    """First maximum of logits [n_vocab] over every id but excluded_id; -1 if nothing is left.
+    """First maximum of logits [n_vocab] over all ids but excluded_id; -1 if none left.
 
     Mirrors ds4.c: ds4_session_argmax_excluding (l. 17624)"""
     v = np.asarray(logits, dtype=np.float32).reshape(-1)
@@ -170,17 +170,18 @@ def argmax_excluding(logits: np.ndarray, excluded_id: int) -> int:
         keep[int(excluded_id)] = False
     if not keep.any():
         return -1
-    ids = np.flatnonzero(keep)                            # ds4.c: the first kept id starts as best,
-    if np.isnan(v[ids[0]]):                               # then only a strictly larger logit replaces
-        return int(ids[0])                                # it (nothing compares larger than NaN)
+    ids = np.flatnonzero(keep)              # ds4.c: the first kept id starts as best,
+    if np.isnan(v[ids[0]]):                 # only a strictly larger logit replaces it
+        return int(ids[0])                  # (nothing compares larger than NaN)
     w = np.where(np.isnan(v[ids]), -np.inf, v[ids])
-    return int(ids[int(np.argmax(w))])                    # numpy's argmax: the first maximum
+    return int(ids[int(np.argmax(w))])      # numpy's argmax: the first maximum
 
 
 def token_logprob(logits: np.ndarray, token: int) -> tuple[int, float, float]:
-    """(token, logit, log-probability) under softmax(logits): logit - (max + log sum exp(l - max)).
+    """(token, logit, log-probability) under softmax(logits) [n_vocab].
 
-    Non-finite logits are left out of the sum, as ds4.c does; the sum runs in float64.
+    log p = logit - (max + log sum exp(l - max)); non-finite logits are left out of the
+    sum, which runs in float64, as ds4.c's.
     Mirrors ds4.c: ds4_session_token_logprob (l. 17680)"""
     v = np.asarray(logits, dtype=np.float32).reshape(-1)
     if isinstance(token, bool) or int(token) != token or not 0 <= int(token) < len(v):
@@ -191,5 +192,7 @@ def token_logprob(logits: np.ndarray, token: int) -> tuple[int, float, float]:
     m = fin.max()
     logsum = m + np.log(np.exp(fin - m).sum())
     logit = float(v[int(token)])
-    lp = float(np.float32(logit - logsum)) if np.isfinite(logit) else float(np.float32(-1e30))
+    if not np.isfinite(logit):
+        return int(token), logit, float(np.float32(-1e30))     # DS4_NEG_INF
+    lp = float(np.float32(logit - logsum))
     return int(token), logit, lp

@@ -297,12 +297,14 @@ def think_mode_enabled(mode: str) -> bool:
 
 
 def think_max_min_context() -> int:
-    """The smallest context in which "max" stays "max". Mirrors ds4.c: ds4_think_max_min_context (l. 15652)"""
+    """The smallest context in which "max" stays "max".
+
+    Mirrors ds4.c: ds4_think_max_min_context (l. 15652)"""
     return THINK_MAX_MIN_CONTEXT
 
 
 def think_mode_for_context(mode: str, ctx_size: int) -> str:
-    """The think mode a session of ctx_size tokens runs: "max" becomes "high" below 393216.
+    """The think mode a session of ctx_size tokens runs: "max" is "high" below 393216.
 
     Mirrors ds4.c: ds4_think_mode_for_context (l. 15656)"""
     if mode not in THINK_MODES:

@@ -367,29 +367,33 @@ def default_model_path() -> Path:
 
 
 def write_mtp_model(path, cfg: ModelConfig, seed: int = 0, *, name: str | None = None,
-                    expert_types: tuple = (T.IQ2_XXS, T.Q2_K), alignment: int = 32) -> Path:
-    """Write the MTP GGUF of a model written with write_model(cfg, seed): seeded random mtp.0.* tensors.
+                    expert_types: tuple = (T.IQ2_XXS, T.Q2_K),
+                    alignment: int = 32) -> Path:
+    """Write the MTP GGUF of write_model(cfg, seed)'s model: random mtp.0.* tensors.
 
-    The tensors draw from their own (seed, name) streams, so the main model's bytes are untouched.
-    Mirrors ds4.c: none (ds4.c loads such a file with --mtp: mtp_weights_bind, l. 2710)"""
+    Each tensor draws from its own (seed, name) stream; the main model is untouched.
+    Mirrors ds4.c: none (ds4.c loads it with --mtp: mtp_weights_bind, l. 2710)"""
     from ds4ref.mtp import mtp_tensor_specs
     gate_up, down = (T[t] if isinstance(t, str) else T(t) for t in expert_types)
     meta = [("general.architecture", (V.STRING,), "deepseek4"),
             ("general.name", (V.STRING,), name or f"ds4ref-synthetic-seed{seed}-mtp"),
             ("general.alignment", (V.UINT32,), alignment), *cfg.to_metadata()]
+    kinds = {"ffn_gate_exps": gate_up, "ffn_up_exps": gate_up, "ffn_down_exps": down}
     tensors = []
     for spec in mtp_tensor_specs(cfg):
-        t = {"ffn_gate_exps": gate_up, "ffn_up_exps": gate_up, "ffn_down_exps": down}.get(spec.field,
-                                                                                          spec.types[0])
-        tensors.append(TensorData(spec.name, t, spec.shape, _tensor_chunks(spec, t, cfg, seed)))
+        t = kinds.get(spec.field, spec.types[0])
+        chunks = _tensor_chunks(spec, t, cfg, seed)
+        tensors.append(TensorData(spec.name, t, spec.shape, chunks))
     return write_gguf(path, meta, tensors)
 
 
 def default_mtp_path() -> Path:
-    """The bundled model's MTP GGUF (same cache folder and seed), generated on first use.
+    """The bundled model's MTP GGUF (same folder, same seed), written on first use.
 
     Mirrors ds4.c: none (ds4.c's MTP GGUF ships beside the real model)"""
-    path = default_model_path().with_name(f"ds4ref-tiny-seed{DEFAULT_SEED}-v{WRITER_VERSION}-mtp.gguf")
+    main = default_model_path()
+    path = main.with_name(main.stem + "-mtp.gguf")
     if not path.exists():
-        write_mtp_model(path, ModelConfig.tiny(), DEFAULT_SEED, name=f"ds4ref-tiny-seed{DEFAULT_SEED}-mtp")
+        write_mtp_model(path, ModelConfig.tiny(), DEFAULT_SEED,
+                        name=f"ds4ref-tiny-seed{DEFAULT_SEED}-mtp")
     return path
