@@ -65,7 +65,10 @@ def _forced(force: dict | None, kind: str, il: int, positions: np.ndarray):
 
 
 def steering_hooks(steering, il: int):
-    """(attention, FFN) row editors of layer il from a chapter-11 `Steering`, or (None, None)."""
+    """(attention, FFN) row editors of layer il from a chapter-11 `Steering`, or (None, None).
+
+    Mirrors ds4.c: the steering_dirs / steering_*_scale arguments of layer_forward_raw_swa_one (l. 7527)
+    """
     return (None, None) if steering is None else steering.hooks(il)
 
 
