@@ -424,3 +424,26 @@ def test_cli_speculative_greedy_prints_plain_greedy_text():
             assert main(["-p", "Hello", "-n", "12", "--temp", "0", "--no-progress", "--mtp-draft", draft]) == 0
         texts.append(buf.getvalue())
     assert texts[0] == texts[1] and texts[0].strip()
+
+
+def test_build_direction_cli_and_steering_flags(tmp_path, capsys):
+    """tools/build_direction.py writes a loadable file; the CLI steers with it, and refuses a scale
+    without a file (ds4.c: "directional steering needs --dir-steering-file")."""
+    import importlib.util
+    from ds4ref.__main__ import main
+    spec = importlib.util.spec_from_file_location("build_direction", "tools/build_direction.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    (tmp_path / "g.txt").write_text("# terse\nSay hi.\nName one prime.\n")
+    (tmp_path / "b.txt").write_text("Greet me warmly and at length.\nDescribe primes thoroughly.\n")
+    assert tool.main(["--good-file", str(tmp_path / "g.txt"), "--bad-file", str(tmp_path / "b.txt"),
+                      "--out", str(tmp_path / "dir.json")]) == 0
+    meta = json.loads((tmp_path / "dir.json").read_text())
+    assert meta["shape"] == [6, 256] and meta["pairs"] == 2
+    f32 = tmp_path / "dir.f32"
+    assert f32.stat().st_size == 6 * 256 * 4
+    capsys.readouterr()
+    assert main(["-p", "Hi", "-n", "3", "--temp", "0", "--no-progress", "--mtp-draft", "1",
+                 "--dir-steering-file", str(f32), "--dir-steering-ffn", "-2"]) == 0
+    assert main(["-p", "Hi", "-n", "1", "--no-progress", "--dir-steering-attn", "0.5"]) == 2
+    assert "directional steering needs steering_file" in capsys.readouterr().err
