@@ -56,14 +56,39 @@ class TensorData:
         return type_nbytes(self.ggml_type, int(np.prod(self.shape, dtype=object)))
 
 
-def write_gguf(path, metadata: list[tuple[str, tuple, object]], tensors: list[TensorData]) -> Path:
+class SparseFileError(OSError):
+    """The filesystem cannot make holes: a hole-mode file would take its full size."""
+
+
+def sparse_files_supported(directory) -> bool:
+    """Whether files in `directory` can have holes (64 MiB made by truncate: < 1 MiB).
+
+    Mirrors ds4.c: none (a test helper of the writer)"""
+    probe = Path(directory) / f".ds4ref-sparse-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.truncate(64 << 20)
+            blocks = getattr(os.fstat(f.fileno()), "st_blocks", None)
+    finally:
+        probe.unlink(missing_ok=True)
+    return blocks is not None and blocks * 512 < 1 << 20
+
+
+def write_gguf(path, metadata: list[tuple[str, tuple, object]],
+               tensors: list[TensorData], *, hole: bool = False) -> Path:
     """Write a GGUF v3 file: header, metadata, tensor directory, padding, then each tensor's bytes.
 
     Alignment comes from the `general.alignment` entry (default 32). Tensor bytes are streamed
-    chunk by chunk, so the file may be much larger than memory.
+    chunk by chunk, so the file may be much larger than memory. With `hole=True` no
+    tensor byte is written: truncate extends the file to its full size, the data region
+    is a hole that reads as zeros, and the disk holds only the header (SparseFileError
+    where the filesystem cannot make holes).
 
     Mirrors ds4.c: none (the inverse of model_open, l. 1196)"""
     path = Path(path)
+    if hole and not sparse_files_supported(path.parent):
+        raise SparseFileError(f"{path}: the filesystem of {path.parent} does not "
+                              "support sparse files; hole=True would write every byte")
     align = next((v for k, t, v in metadata if k == "general.alignment" and t == (V.UINT32,)), 32)
     pad = lambda n: -n % align
     parts = [b"GGUF", struct.pack("<IQQ", 3, len(tensors), len(metadata))]
@@ -78,6 +103,9 @@ def write_gguf(path, metadata: list[tuple[str, tuple, object]], tensors: list[Te
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
+            if hole:    # full size first, so that no write extends (and preallocates)
+                f.truncate(len(header) + pad(len(header)) + rel)
+                tensors = ()
             f.write(header + b"\0" * pad(len(header)))
             for t in tensors:
                 n = 0
@@ -337,15 +365,23 @@ def model_tensors(cfg: ModelConfig, seed: int = 0, expert_types: tuple = (T.IQ2_
 
 def write_model(path, cfg: ModelConfig, seed: int = 0, *, name: str | None = None,
                 expert_types: tuple = (T.IQ2_XXS, T.Q2_K), exp_probs_b: bool = True,
-                alignment: int = 32) -> Path:
+                alignment: int = 32, data: str = "random") -> Path:
     """Write a DS4-shaped GGUF of shape cfg with seeded random weights in the q2 model's type mix.
 
     Tensors are generated and written one at a time (experts one expert at a time): writing the
     3.9 GB `ModelConfig.wide()` model peaks at about 100 MB of memory.
+    `data="hole"` writes the same header and directory and leaves the tensor data a hole
+    (weights read as zeros): the 86.7 GB `ModelConfig.real()` file then takes about 6 MB
+    of disk and a second to write (`write_gguf`'s hole=True).
 
     Mirrors ds4.c: none (ds4.c loads such files with ds4_engine_open, l. 17165)"""
+    if data not in ("random", "hole"):
+        raise ValueError(f"write_model: data must be 'random' or 'hole', got {data!r}")
+    if data == "hole" and name is None:
+        name = "ds4ref-directory-only"
     return write_gguf(path, model_metadata(cfg, seed, name, alignment),
-                      model_tensors(cfg, seed, expert_types, exp_probs_b))
+                      model_tensors(cfg, seed, expert_types, exp_probs_b),
+                      hole=data == "hole")
 
 
 DEFAULT_SEED = 7

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
 import re
 import struct
+import subprocess
+import sys
+import time
 
 import gguf
 import numpy as np
@@ -20,7 +25,7 @@ from hypothesis import strategies as st
 
 import ds4ref
 from ds4ref.config import ModelConfig, config_from_metadata
-from ds4ref.gguf import GGMLType, GGUFError, GGUFFile, GGUFValueType as V
+from ds4ref.gguf import GGMLType, GGUFError, GGUFFile, GGUFValueType as V, type_nbytes
 from ds4ref.weights import bind_weights, check_tokenizer_metadata, load_model, tensor_specs
 from ds4ref.writer import (TensorData, default_model_path, model_metadata, model_tensors, train_bpe,
                            CORPUS, write_gguf, write_model)
@@ -436,6 +441,25 @@ def test_bad_metadata_values(tmp_path):
         GGUFFile(tmp_path / "al.gguf")
 
 
+def test_string_arrays_are_read_fast_and_fail_at_the_bad_element(tmp_path):
+    """Cursor.strings reads a whole string array in one loop; a bad element still gets
+    string()'s error, naming the element."""
+    words = ["ab", "wörd" * 8, "", "cd"]
+    meta = [("a.sarr", (V.ARRAY, V.STRING), words)]
+    raw = _small_gguf(tmp_path, extra_meta=meta).read_bytes()
+    assert _reads(raw).metadata["a.sarr"] == words
+    j = raw.index("wörd".encode())
+    with pytest.raises(GGUFError, match=r"'a.sarr'\[1\]: string is not valid UTF-8 "
+                                        rf"\(invalid start byte at byte {j + 1}\)"):
+        _reads(raw[:j + 1] + b"\xff" + raw[j + 2:])
+    k = raw.index(struct.pack("<Q", 2) + b"cd")
+    with pytest.raises(GGUFError, match=r"'a.sarr'\[3\] \(length\): truncated GGUF"):
+        _reads(raw[:k + 4])
+    huge = rf"'a.sarr'\[3\]: truncated GGUF file, needs {2**40} bytes"
+    with pytest.raises(GGUFError, match=huge):
+        _reads(raw[:k] + struct.pack("<Q", 2**40) + raw[k + 8:])
+
+
 def test_duplicate_keys_and_tensor_names(tmp_path):
     with pytest.raises(GGUFError, match="metadata key 'a.u8': duplicate key"):
         GGUFFile(_small_gguf(tmp_path, extra_meta=[("a.u8", (V.UINT8,), 1)]))
@@ -596,3 +620,188 @@ def test_warm_pages_touches_every_page_of_the_tensor_data(oracle_gguf):
         n = g.warm_pages()
         assert n == -(-(g.size - g.data_offset) // mmap.PAGESIZE) and n > 3000
     assert GGUFFile.from_buffer(oracle_gguf.read_bytes()).warm_pages() == 0
+
+
+
+# --------------------------------------------------- the real shape, as a sparse file
+
+def test_hole_mode_writes_the_same_header_and_no_data(tmp_path):
+    """data="hole": the file data="random" writes, every tensor byte a zeroed hole."""
+    full = write_model(tmp_path / "full.gguf", MICRO, seed=3, name="same")
+    hole = write_model(tmp_path / "hole.gguf", MICRO, seed=3, name="same", data="hole")
+    with GGUFFile(full) as g:
+        start = g.data_offset
+    a, b = full.read_bytes(), hole.read_bytes()
+    assert len(a) == len(b) and a[:start] == b[:start]
+    assert not any(b[start:]) and any(a[start:])
+    with pytest.raises(ValueError, match="data must be 'random' or 'hole'"):
+        write_model(tmp_path / "x.gguf", MICRO, data="zeros")
+
+
+def test_hole_mode_refuses_a_filesystem_without_holes(tmp_path, monkeypatch):
+    import ds4ref.writer as writer
+    monkeypatch.setattr(writer, "sparse_files_supported", lambda d: False)
+    with pytest.raises(writer.SparseFileError, match="does not support sparse files"):
+        write_model(tmp_path / "x.gguf", MICRO, data="hole")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def real_hole(tmp_path_factory):
+    """The real shape's header and directory in a sparse file: 86.7 GB, 6 MB on disk."""
+    from ds4ref.writer import sparse_files_supported
+    d = tmp_path_factory.mktemp("real_hole")
+    if not sparse_files_supported(d):
+        pytest.skip(f"the filesystem of {d} does not support sparse files (holes): "
+                    "the real-shape file would take its full 86.7 GB of disk")
+    t0 = time.perf_counter()
+    p = write_model(d / "real.gguf", ModelConfig.real(), data="hole")
+    yield p, time.perf_counter() - t0
+    p.unlink()                 # leave no 86.7 GB (apparent) file in pytest's tmp dirs
+
+
+def _real_data_bytes():
+    """Bytes of tensor data of the real q2 model, from ds4.c's layout (tensor_specs)."""
+    real, total = ModelConfig.real(), 0
+    experts = {"ffn_gate_exps": GGMLType.IQ2_XXS, "ffn_up_exps": GGMLType.IQ2_XXS,
+               "ffn_down_exps": GGMLType.Q2_K}
+    for s in tensor_specs(real):
+        if s.optional and s.il < real.n_hash_layer:
+            continue                               # the router bias: top-k layers only
+        t = experts.get(s.field, s.types[0])
+        total += type_nbytes(t, int(np.prod(s.shape, dtype=object)))
+    return total
+
+
+def test_real_shape_file_costs_few_disk_blocks(real_hole):
+    p, seconds = real_hole
+    st = os.stat(p)
+    with GGUFFile(p) as g:
+        header = g.data_offset
+    assert round(st.st_size / 1e9, 1) == 86.7
+    # the data region is the tensors' bytes plus alignment padding (< 32 bytes each)
+    assert 0 <= st.st_size - header - _real_data_bytes() < 32 * 1328
+    assert header < 8e6 and st.st_blocks * 512 < 16e6    # the header (6.2 MB), no data
+    assert seconds < 30
+
+
+def test_real_shape_binds_every_tensor_as_ds4c_and_gguf_py_read_it(real_hole):
+    p, _ = real_hole
+    T = GGMLType
+    g, cfg, w = load_model(p)
+    with g:
+        assert cfg == ModelConfig.real()
+        assert len(w.layers) == 43 and len(w.tensors()) == len(g.tensors) == 1328
+        assert (w.token_embd.ggml_type, w.token_embd.shape) == (T.F16, (4096, 129280))
+        assert (w.output.ggml_type, w.output.shape) == (T.Q8_0, (4096, 129280))
+        for lw in w.layers:
+            assert lw.attn_q_b.ggml_type == lw.ffn_down_shexp.ggml_type == T.Q8_0
+            assert lw.ffn_gate_exps.ggml_type == lw.ffn_up_exps.ggml_type == T.IQ2_XXS
+            assert lw.ffn_down_exps.ggml_type == T.Q2_K
+            assert lw.ffn_gate_exps.shape == (4096, 2048, 256)
+            assert lw.ffn_down_exps.shape == (2048, 4096, 256)
+            assert (lw.ffn_gate_tid2eid is not None) == (lw.il < 3)
+            assert (lw.indexer_proj is not None) == (cfg.compress_ratio(lw.il) == 4)
+        last = w.layers[42].ffn_down_exps              # offsets far beyond 32 bits
+        assert last.offset > 2**36 and last.data.shape == (4096 * 256, 2048 // 256 * 84)
+        e = last.expert(255)
+        assert e.offset + e.nbytes == last.offset + last.nbytes
+        # gguf-py reads the same directory and metadata on its own
+        r = GGUFReader(p)
+        assert r.data_offset == g.data_offset
+        assert [t.name for t in r.tensors] == list(g.tensors)
+        for t in r.tensors:
+            m = g.tensors[t.name]
+            theirs = (int(t.tensor_type), tuple(int(d) for d in t.shape), t.data_offset,
+                      t.n_bytes)
+            assert (m.ggml_type, m.shape, m.offset, m.nbytes) == theirs, t.name
+        for key, f in r.fields.items():
+            if key.startswith(("deepseek4.", "general.")):
+                assert g.metadata[key] == f.contents(), key
+        assert len(r.fields["tokenizer.ggml.tokens"].data) == 129280
+
+
+_LOAD_PROBE = r"""
+import json, os, re, resource, sys, time
+
+def status(key):
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
+    except (OSError, StopIteration):
+        return None
+
+def reset_peak():
+    # Linux: writing 5 to clear_refs resets VmHWM to the current RSS
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+def peak():
+    hwm = status("VmHWM")
+    if hwm is not None:
+        return hwm
+    p = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return p if sys.platform == "darwin" else p * 1024
+
+def mapped(path):
+    # resident bytes of the mappings of `path` (Linux /proc/self/smaps; None elsewhere)
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    total, mine = 0, False
+    for line in lines:
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            mine = line.split(maxsplit=5)[-1] == path
+        elif mine and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+from ds4ref.weights import load_model
+path = os.path.realpath(sys.argv[1])
+reset_peak()
+r0, p0, t0 = status("VmRSS"), peak(), time.perf_counter()
+g, cfg, w = load_model(path)
+seconds = time.perf_counter() - t0
+r1 = status("VmRSS")
+print(json.dumps(dict(seconds=seconds, rss_growth=None if r0 is None else r1 - r0,
+                      peak_growth=peak() - p0, mapped=mapped(path),
+                      header=g.data_offset, size=g.size, n_layer=cfg.n_layer,
+                      n_tensors=len(w.tensors()))))
+"""
+
+
+def test_real_shape_loads_in_seconds_without_reading_the_data(real_hole):
+    """load_model maps the 86.7 GB file and reads only its header (new process)."""
+    p, _ = real_hole
+    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, str(p)], check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    m = json.loads(out)
+    assert (m["n_layer"], m["n_tensors"], m["size"]) == (43, 1328, os.stat(p).st_size)
+    assert m["seconds"] < 10                  # 0.6-1.5 s on a shared 2-core VM
+    assert m["peak_growth"] < 200e6           # ~35 MB: metadata, 129280 token strings
+    if m["rss_growth"] is not None:
+        assert m["rss_growth"] < 200e6        # ~30 MB
+    if m["mapped"] is not None:               # the file's pages in our page tables: the
+        assert m["mapped"] < m["header"] + 16e6   # header (+ the kernel's fault-around)
+
+
+def test_real_shape_summary_from_the_command_line(real_hole):
+    p, _ = real_hole
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "ds4ref", "-m", str(p), "--summary"],
+                       capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    s = r.stdout
+    assert "ds4ref-directory-only (deepseek4), GGUF v3" in s and "1328 tensors" in s
+    assert "43 layers, n_embd 4096, vocab 129280, 64 heads x 512" in s
+    assert "256 routed (6 per token, hidden 2048)" in s
+    data_mb = f"{_real_data_bytes() / 1e6:,.2f}"
+    assert f"({data_mb} MB of tensor data, file 86,7" in s           # 86.7 GB
+    assert re.search(r"IQ2_XXS +86 tensors +47,613\.74 MB", s)
+    assert re.search(r"Q2_K +43 tensors", s) and re.search(r"Q8_0 +345 tensors", s)
+    assert seconds < 30

@@ -15,6 +15,7 @@ PY=${PY:-.venv/bin/python}
 NB=("$@")
 [ ${#NB[@]} -eq 0 ] && NB=(book/[0-9][0-9]_*.ipynb)
 SETTINGS=${SETTINGS:-"unset haswell one-thread no-avx512"}
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/portability.XXXXXX")
 fail=0
 for s in $SETTINGS; do
   case $s in
@@ -26,11 +27,11 @@ for s in $SETTINGS; do
     *) echo "unknown setting $s"; exit 2 ;;
   esac
   echo "== $s: ${envs[*]}"
-  if env "${envs[@]}" "$PY" -m pytest -q -p no:randomly "${NB[@]}" >"/tmp/portability_$s.log" 2>&1; then
-    tail -1 "/tmp/portability_$s.log"
+  if env "${envs[@]}" "$PY" -m pytest -q -p no:randomly "${NB[@]}" >"$LOGS/$s.log" 2>&1; then
+    tail -1 "$LOGS/$s.log"
   else
-    fail=1; grep -E "^(FAILED|ERROR)|passed|failed" "/tmp/portability_$s.log" | tail -20
-    echo "   (full log: /tmp/portability_$s.log)"
+    fail=1; grep -E "^(FAILED|ERROR)|passed|failed" "$LOGS/$s.log" | tail -20
+    echo "   (full log: $LOGS/$s.log)"
   fi
 done
 exit $fail

@@ -34,6 +34,17 @@ def execute(nb, timeout=1800):
     return nb
 
 
+def stable_ids(nb) -> None:
+    """Name each cell after its source (sha1, numbered on repeats) instead of jupytext's random ids,
+    so that rebuilding a chapter changes only the cells that changed and branches merge cleanly."""
+    import hashlib
+    seen: dict[str, int] = {}
+    for cell in nb.cells:
+        h = hashlib.sha1((cell.cell_type + "\0" + cell.source).encode()).hexdigest()[:8]
+        seen[h] = seen.get(h, 0) + 1
+        cell["id"] = h if seen[h] == 1 else f"{h}-{seen[h]}"
+
+
 def tangle() -> None:
     subprocess.run([sys.executable, str(ROOT / "tools" / "tangle.py")], check=True)
 
@@ -41,6 +52,7 @@ def tangle() -> None:
 def build(src: Path) -> Path:
     """Draft -> ipynb, tangle (so the chapter's own modules exist), execute, store."""
     nb = jupytext.read(src)
+    stable_ids(nb)
     out = BOOK / (src.stem + ".ipynb")
     nbformat.write(nb, out)
     tangle()
@@ -51,6 +63,7 @@ def build(src: Path) -> Path:
 
 def run(path: Path) -> Path:
     nb = nbformat.read(path, as_version=4)
+    stable_ids(nb)
     execute(nb)
     nbformat.write(nb, path)
     return path
