@@ -28,6 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--warm-weights", action="store_true",
                    help="read every weight page once before generating (no first-touch page faults later)")
+    p.add_argument("--mtp", default=None, metavar="PATH",
+                   help="MTP GGUF for speculative greedy decoding (default: the bundled model's)")
+    p.add_argument("--mtp-draft", type=int, default=4, help="MTP draft tokens per step (1 = no drafts)")
+    p.add_argument("--mtp-margin", type=float, default=3.0, help="MTP top-2 margin for 2-token verifies")
+    p.add_argument("--dir-steering-file", default=None, metavar="FILE",
+                   help="f32 [n_layer, n_embd] directions for directional steering")
+    p.add_argument("--dir-steering-ffn", type=float, default=None,
+                   help="steer after the FFN: y -= F*v*dot(v, y) (default with a file: 1)")
+    p.add_argument("--dir-steering-attn", type=float, default=0.0, help="steer after attention (default 0)")
     return p
 
 
@@ -53,8 +62,11 @@ def main(argv=None) -> int:
     from ds4ref.engine import BackendError
     from ds4ref.gguf import GGUFError
     try:
-        eng = Engine.open(args.model, backend=args.backend)
-    except (GGUFError, BackendError, OSError) as exc:
+        eng = Engine.open(args.model, backend=args.backend,
+                          mtp_path=args.mtp, mtp_draft_tokens=args.mtp_draft, mtp_margin=args.mtp_margin,
+                          steering_file=args.dir_steering_file, steering_attn=args.dir_steering_attn,
+                          steering_ffn=args.dir_steering_ffn)
+    except (GGUFError, BackendError, OSError, ValueError) as exc:
         print(f"ds4ref: {exc}", file=sys.stderr)
         return 2
     if args.warm_weights:                      # ds4.c: --warm-weights, model_warm_weights (l. 1477)
@@ -66,7 +78,12 @@ def main(argv=None) -> int:
     if args.raw:
         prompt = [tok.bos_id] + tok.encode(args.prompt)
     else:
-        prompt = tok.chat_prompt(args.prompt, args.system, args.think)
+        from ds4ref.tokenizer import think_max_min_context, think_mode_for_context
+        think = think_mode_for_context(args.think, args.ctx)     # ds4.c: cli_effective_think_mode
+        if think != args.think:
+            print(f"ds4ref: warning: --think max needs --ctx >= {think_max_min_context()}; "
+                  f"ctx={args.ctx} uses normal thinking instead", file=sys.stderr)
+        prompt = tok.chat_prompt(args.prompt, args.system, think)
     seed = args.seed if args.seed is not None else (time.time_ns() ^ (id(args) << 16)) & ((1 << 64) - 1)
     rng = SampleRNG(seed)
     try:
@@ -99,14 +116,23 @@ def main(argv=None) -> int:
     out = tok.stream_decoder()
     generated = 0
     t2 = time.perf_counter()
+    speculative = args.temp == 0 and eng.has_mtp and eng.mtp_draft_tokens > 1
     while generated < n_new:
         t = s.sample(args.temp, args.top_k, args.top_p, args.min_p, rng)
         if t == tok.eos_id:
             break
-        sys.stdout.write(out(t))
-        sys.stdout.flush()
-        generated += 1
-        if generated < n_new:
+        if speculative and generated + 1 < n_new:     # ds4.c: greedy + MTP -> speculative steps
+            toks = s.eval_speculative_argmax(t, n_new - generated, tok.eos_id)
+        else:
+            toks = [t]
+        for t in toks:
+            if t == tok.eos_id or generated >= n_new:
+                n_new = generated
+                break
+            sys.stdout.write(out(t))
+            sys.stdout.flush()
+            generated += 1
+        if generated < n_new and len(toks) == 1 and not speculative:
             s.eval(t)
     t3 = time.perf_counter()
     sys.stdout.write(out(None) + "\n")

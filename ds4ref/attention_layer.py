@@ -87,11 +87,13 @@ def _no_trace(name, value):
     pass
 
 
-def layer_attention_one(cfg, lw, cache, X, pos: int, be=NUMPY, trace=None, force_indexer=None):
+def layer_attention_one(cfg, lw, cache, X, pos: int, be=NUMPY, trace=None, force_indexer=None,
+                        steer=None):
     """One decode step of the attention sub-layer: HC state X [n_hc, n_embd] at pos -> X' [n_hc, n_embd].
 
     Updates `cache` (this layer's LayerCache). trace(name, value) receives ops_A's short names;
-    force_indexer (sorted row ids, or all -1) replays a recorded indexer choice.
+    force_indexer (sorted row ids, or all -1) replays a recorded indexer choice; steer (chapter 11)
+    edits the output rows [.., n_embd] before hc_post, as ds4.c does.
     Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069), layer_forward_raw_swa_one (l. 7527, attention half)"""
     tr = trace or _no_trace
     X = np.asarray(X, np.float32)
@@ -104,13 +106,16 @@ def layer_attention_one(cfg, lw, cache, X, pos: int, be=NUMPY, trace=None, force
         tr(n, v)
     heads = _attend_cached(cfg, lw, cache, q, kv, a, qr_norm, pos, be, tr, force_indexer)
     out = layer_grouped_out(heads, lw.attn_output_a, lw.attn_output_b, cfg, be)
+    if steer is not None:                        # ds4.c l. 7165: directional steering
+        out = steer(out)
     Y = hc_post(out, X, post, comb)
     tr("attn_out", out)
     tr("after_attn_hc", Y)
     return Y
 
 
-def layer_attention_batch(cfg, lw, cache, Xs, pos0: int, be=NUMPY, trace=None, force_indexer=None):
+def layer_attention_batch(cfg, lw, cache, Xs, pos0: int, be=NUMPY, trace=None, force_indexer=None,
+                          steer=None):
     """Prefill of the attention sub-layer: Xs [T, n_hc, n_embd] at positions pos0.. -> [T, n_hc, n_embd].
 
     HC, projections and the output run batched; the tokens stream through the caches in order.
@@ -140,6 +145,8 @@ def layer_attention_batch(cfg, lw, cache, Xs, pos0: int, be=NUMPY, trace=None, f
         force = None if force_indexer is None else force_indexer[t]
         heads[t] = _attend_cached(cfg, lw, cache, q[t], kv[t], a[t], qr_norm[t], pos0 + t, be, tr, force)
     out = layer_grouped_out(heads, lw.attn_output_a, lw.attn_output_b, cfg, be)   # [T, n_embd]
+    if steer is not None:                        # ds4.c l. 7483: directional steering
+        out = steer(out)
     Y = hc_post(out, Xs, post, comb)
     for t in range(T):
         tr_at(t)("attn_out", out[t])

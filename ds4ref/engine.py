@@ -73,17 +73,40 @@ class Engine:
         self.path, self.gguf, self.cfg, self.weights = path, gguf, cfg, weights
         self.tokenizer, self.backend = tokenizer, backend
 
+    steering = None      # a chapter-11 Steering (directional steering), or None
+    mtp = None           # a chapter-11 MTPModel (the MTP draft block), or None
+    mtp_draft_tokens, mtp_margin = 1, 3.0
+
     @classmethod
-    def open(cls, path=None, backend="auto") -> "Engine":
-        """Load and validate a DS4 GGUF (default: the bundled model) and pick a backend ("auto": one verified on this
-        kind of hardware, numba on a CPU; or a name, or a backend object)."""
+    def open(cls, path=None, backend="auto",
+             *, mtp_path=None, mtp_draft_tokens: int = 4, mtp_margin: float = 3.0,
+             steering_file=None, steering_attn: float = 0.0, steering_ffn: float | None = None) -> "Engine":
+        """Load and validate a DS4 GGUF (default: the bundled model) and pick a backend ("auto": one
+        verified on this kind of hardware, numba on a CPU; or a name, or a backend object).
+
+        mtp_path: an MTP GGUF (default: the bundled model's, when the bundled model is opened);
+        steering_file: an f32 [n_layer, n_embd] direction file, applied after attention and after
+        the FFN with scales steering_attn / steering_ffn (None: 1.0 with a file, as ds4's CLI).
+        Both are chapter 11."""
         from ds4ref.weights import load_model
+        bundled = path is None
         if path is None:
             from ds4ref.writer import default_model_path
             path = default_model_path()
         be = resolve_backend(backend)
         gguf, cfg, weights = load_model(path)
-        return cls(Path(path), gguf, cfg, weights, _tokenizer_of(gguf), be)
+        eng = cls(Path(path), gguf, cfg, weights, _tokenizer_of(gguf), be)
+        from ds4ref.mtp import open_mtp_options
+        from ds4ref.steering import open_steering
+        eng.steering = open_steering(cfg, steering_file, steering_attn, steering_ffn)
+        eng.mtp, eng.mtp_draft_tokens, eng.mtp_margin = open_mtp_options(
+            eng, mtp_path, mtp_draft_tokens, mtp_margin, bundled)
+        return eng
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether an MTP draft block is loaded. Mirrors ds4.c: ds4_engine_has_mtp (l. 15987)"""
+        return self.mtp is not None
 
     def session(self, ctx_size: int = 1024, force_decisions: dict | None = None) -> "Session":
         """A new empty session with a KV cache for `ctx_size` positions.
@@ -219,7 +242,7 @@ class Session:
 
         def go():
             self._logits = prefill(self.cfg, e.weights, self._cache, toks, e.backend, self.trace,
-                                   self.force, progress)
+                                   self.force, progress, e.steering)
             self._tokens, self._valid = list(toks), True
         self._run(go)
         return len(toks)
@@ -230,7 +253,7 @@ class Session:
         def go():
             pos = self.pos
             self._logits = forward_token(self.cfg, e.weights, self._cache, token, pos, e.backend,
-                                         self.trace, self.force)
+                                         self.trace, self.force, e.steering)
             self._tokens.append(token)
             self._valid = True
         self._run(go)
@@ -325,6 +348,29 @@ class Session:
     def argmax(self) -> int:
         """Greedy next token (first maximum). Mirrors ds4.c: ds4_session_argmax (l. 17620)"""
         return sample_argmax(self.logits)
+
+    def argmax_excluding(self, excluded_id: int) -> int:
+        """Greedy next token other than `excluded_id` (first maximum). Chapter 11.
+
+        Mirrors ds4.c: ds4_session_argmax_excluding (l. 17624)"""
+        from ds4ref.sample import argmax_excluding
+        return argmax_excluding(self.logits, excluded_id)
+
+    def token_logprob(self, token: int) -> tuple[int, float, float]:
+        """(id, logit, log-probability) of one token under the logits. Chapter 11.
+
+        Mirrors ds4.c: ds4_session_token_logprob (l. 17680)"""
+        from ds4ref.sample import token_logprob
+        return token_logprob(self.logits, token)
+
+    def eval_speculative_argmax(self, first_token: int, max_tokens: int,
+                                eos_token: int | None = None) -> list[int]:
+        """Eval first_token, then greedy tokens drafted by the MTP block and verified in one batch.
+
+        Returns the tokens committed (first_token first), exactly those plain greedy decoding
+        would give. Chapter 11. Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
+        from ds4ref.mtp import eval_speculative_argmax
+        return eval_speculative_argmax(self, first_token, max_tokens, eos_token)
 
     def sample(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                rng: SampleRNG | None = None) -> int:

@@ -64,8 +64,16 @@ def _forced(force: dict | None, kind: str, il: int, positions: np.ndarray):
     return rows
 
 
+def steering_hooks(steering, il: int):
+    """(attention, FFN) row editors of layer il from a chapter-11 `Steering`, or (None, None).
+
+    Mirrors ds4.c: the steering_dirs / steering_*_scale arguments of layer_forward_raw_swa_one (l. 7527)
+    """
+    return (None, None) if steering is None else steering.hooks(il)
+
+
 def forward_token(cfg, w, cache, token: int, pos: int, be=NUMPY, trace: Trace | None = None,
-                  force: dict | None = None) -> np.ndarray:
+                  force: dict | None = None, steering=None) -> np.ndarray:
     """Logits [n_vocab] after token `token` at position `pos`; appends it to `cache` (decode path).
 
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703)
@@ -82,15 +90,17 @@ def forward_token(cfg, w, cache, token: int, pos: int, be=NUMPY, trace: Trace | 
             hook("hc_in", X)
         fi = _forced(force, "indexer", il, p)
         fe = _forced(force, "experts", il, p)
+        s_attn, s_ffn = steering_hooks(steering, il)
         X = layer_attention_one(cfg, lw, cache.layers[il], X, pos, be, trace=hook,
-                                force_indexer=None if fi is None else fi[0])
+                                force_indexer=None if fi is None else fi[0], steer=s_attn)
         X = layer_ffn_one(cfg, lw, X, int(token), be, trace=hook,
-                          force_experts=None if fe is None else fe[0])
+                          force_experts=None if fe is None else fe[0], steer=s_ffn)
     return output_logits(cfg, w, X, be, trace.at(None, pos) if trace is not None else None)
 
 
 def prefill(cfg, w, cache, tokens: Sequence[int], be=NUMPY, trace: Trace | None = None,
-            force: dict | None = None, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+            force: dict | None = None, progress: Callable[[int, int], None] | None = None,
+            steering=None) -> np.ndarray:
     """Logits [n_vocab] after the last of `tokens`, run layer-major from position 0 on an empty cache.
 
     Mirrors ds4.c: prefill_layer_major_cpu (l. 7763)
@@ -110,10 +120,11 @@ def prefill(cfg, w, cache, tokens: Sequence[int], be=NUMPY, trace: Trace | None 
         hook = trace.batch(il, 0, T) if trace is not None else None
         if hook is not None:
             hook("hc_in", Xs)
+        s_attn, s_ffn = steering_hooks(steering, il)
         Xs = layer_attention_batch(cfg, lw, cache.layers[il], Xs, 0, be, trace=hook,
-                                   force_indexer=_forced(force, "indexer", il, pos))
+                                   force_indexer=_forced(force, "indexer", il, pos), steer=s_attn)
         Xs = layer_ffn_batch(cfg, lw, Xs, tokens, be, trace=hook,
-                             force_experts=_forced(force, "experts", il, pos))
+                             force_experts=_forced(force, "experts", il, pos), steer=s_ffn)
         if progress is not None:
             progress(il + 1, len(w.layers))
     for layer_cache in cache.layers:           # ds4.c l. 7911: clear compressor rows not yet written

@@ -308,10 +308,10 @@ def _hc_ffn_pre(cfg, lw, X, be, trace):
     return x, post, comb
 
 
-def layer_ffn_one(cfg, lw, X, token, be=NUMPY, trace=None, force_experts=None):
+def layer_ffn_one(cfg, lw, X, token, be=NUMPY, trace=None, force_experts=None, steer=None):
     """The FFN sub-layer for one token: HC state X [n_hc, n_embd] -> X' [n_hc, n_embd].
 
-    hc_pre -> RMSNorm(ffn_norm) -> routed experts + shared expert -> hc_post.
+    hc_pre -> RMSNorm(ffn_norm) -> routed experts + shared expert [-> steer, chapter 11] -> hc_post.
     Mirrors ds4.c: layer_ffn_one (l. 5659) / layer_ffn_one_decode_scratch (l. 5764)"""
     X = np.asarray(X, np.float32)
     if X.shape != (cfg.n_hc, cfg.n_embd):
@@ -322,6 +322,8 @@ def layer_ffn_one(cfg, lw, X, token, be=NUMPY, trace=None, force_experts=None):
     moe = routed_moe_one(cfg, lw, f, token, be, trace, force_experts)
     shared = shared_ffn_one(lw, f, cfg, be, trace)
     y = (moe + shared).astype(np.float32)
+    if steer is not None:                        # ds4.c l. 5729 / 5821: directional steering
+        y = steer(y)
     _emit(trace, "ffn_out", y)
     out = hc_post(y, X, post, comb)
     _emit(trace, "hc_out", out)
@@ -373,7 +375,7 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=None, force_experts=Non
     return moe
 
 
-def layer_ffn_batch(cfg, lw, Xs, tokens, be=NUMPY, trace=None, force_experts=None):
+def layer_ffn_batch(cfg, lw, Xs, tokens, be=NUMPY, trace=None, force_experts=None, steer=None):
     """The FFN sub-layer for T tokens: Xs [T, n_hc, n_embd] -> [T, n_hc, n_embd], equal to T x layer_ffn_one.
 
     Norm, shared expert and HC post run batched (HC pre's F16 mix per token); the routed experts are grouped by expert.
@@ -392,6 +394,8 @@ def layer_ffn_batch(cfg, lw, Xs, tokens, be=NUMPY, trace=None, force_experts=Non
     moe = routed_moe_batch(cfg, lw, f, tokens, be, trace, force_experts)
     shared = shared_ffn_one(lw, f, cfg, be, trace)
     y = (moe + shared).astype(np.float32)
+    if steer is not None:                        # ds4.c l. 5883 / 6047: directional steering
+        y = steer(y)
     _emit(trace, "ffn_out", y)
     out = hc_post(y, Xs, post, comb)
     _emit(trace, "hc_out", out)

@@ -42,9 +42,11 @@ def expert_rows(log: np.ndarray, path: str, n_prompt: int, n_steps: int) -> np.n
     return np.concatenate([pre, log[N_ROUTED * n_prompt:].reshape((n_steps, N_ROUTED) + tail)])
 
 
-def run(build: Path, model: Path, path: str, prompt: np.ndarray, steps, work: Path, threads: int = 1):
+def run(build: Path, model: Path, path: str, prompt: np.ndarray, steps, work: Path, threads: int = 1,
+        env: dict | None = None):
     """One replay: path "stream" or "batch"; steps = token ids (teacher forcing) or an int N (N greedy steps
-    of ds4's own argmax). Returns (logits [rows, V], tokens fed as steps, expert log path)."""
+    of ds4's own argmax). env: extra environment (e.g. ds4c_run's DS4C_STEER_* steering options).
+    Returns (logits [rows, V], tokens fed as steps, expert log path)."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "ids.bin").write_bytes(np.asarray(prompt, "<i4").tobytes())
     if isinstance(steps, (int, np.integer)):
@@ -56,7 +58,7 @@ def run(build: Path, model: Path, path: str, prompt: np.ndarray, steps, work: Pa
     log.unlink(missing_ok=True)
     subprocess.run([str(build / "ds4c_run"), str(model), path, str(work / "ids.bin"), steps_arg, str(out)],
                    check=True, capture_output=True, env=dict(os.environ, DS4C_EXPERT_LOG=str(log),
-                                                             DS4C_THREADS=str(threads)))
+                                                             DS4C_THREADS=str(threads), **(env or {})))
     fed = np.fromfile(str(out) + ".tokens", "<i4") if steps_arg.startswith("greedy") else np.asarray(steps)
     n_rows = (len(prompt) if path == "stream" else 1) + len(fed)
     return np.fromfile(out, np.float32).reshape(n_rows, -1), fed, log

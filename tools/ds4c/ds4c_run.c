@@ -19,6 +19,9 @@
  * rendered, chat: int32 count then ids per text; vocab: int32 byte count then bytes per token). PARAMS: rows of float32 {temperature, top_k, top_p, min_p,
  * seed_lo, seed_hi, n_draws} (seed halves and counts stored as floats of exact integers).
  * Environment: DS4C_THREADS (default 1); DS4C_WARM set: ds4.c's warm_weights option.
+ * Directional steering (any mode): DS4C_STEER_FILE names the f32 [n_layer, n_embd] direction file
+ * (ds4_engine_options.directional_steering_file); DS4C_STEER_FFN (default 1, as ds4's CLI when a file is
+ * given) and DS4C_STEER_ATTN (default 0) set directional_steering_ffn / _attn.
  */
 #define _POSIX_C_SOURCE 199309L  /* clock_gettime under -std=c99 */
 #include <stdbool.h>
@@ -86,6 +89,11 @@ int main(int argc, char **argv) {
     o.backend = DS4_BACKEND_CPU;
     o.n_threads = getenv("DS4C_THREADS") ? atoi(getenv("DS4C_THREADS")) : 1;
     o.warm_weights = getenv("DS4C_WARM") != NULL;        /* touch every weight page at open (model_warm_weights) */
+    if (getenv("DS4C_STEER_FILE")) {                     /* ds4 --dir-steering-file/-ffn/-attn */
+        o.directional_steering_file = getenv("DS4C_STEER_FILE");
+        o.directional_steering_ffn = getenv("DS4C_STEER_FFN") ? (float)atof(getenv("DS4C_STEER_FFN")) : 1.0f;
+        o.directional_steering_attn = getenv("DS4C_STEER_ATTN") ? (float)atof(getenv("DS4C_STEER_ATTN")) : 0.0f;
+    }
     ds4_engine *e;
     if (ds4_engine_open(&e, &o) != 0) { fprintf(stderr, "ds4c_run: cannot open %s\n", argv[1]); return 3; }
     FILE *out = fopen(argv[5], "wb");

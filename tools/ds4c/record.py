@@ -12,8 +12,17 @@ Runs the golden build (ds4.c's Makefile flags, tools/ds4c/build.sh) through ds4c
   checks that the writer's GGUF loads), a 160-token prompt and 16 greedy steps on both paths, in the layout
   of the shared golden files (logits, greedy tokens, expert ids and margins of the top-k layers).
 
+- directional steering (`--steering`, only that; needs a build made with DS4C_PATCH=--dump-steering): the
+  oracle model with a seeded direction file (`ds4c_steering_dirs.f32`, one random unit vector per layer)
+  under three settings (none; FFN 1, ds4's default with a file; FFN -2 with attention 0.5), both paths, a
+  48-token prompt and 8 greedy steps; plus the rows going into and out of
+  cpu_directional_steering_project_rows in the last setting (batch path: 7 of the 48 prefill rows of
+  every call, every decode call).
+
     python tools/ds4c/record.py --build DIR      (DIR from build.sh with the default flags)
-writes data/oracle/ds4c_tokenizer.json, data/oracle/ds4c_sample.npz and data/oracle/ds4c_bundled.npz.
+writes data/oracle/ds4c_tokenizer.json, data/oracle/ds4c_sample.npz and data/oracle/ds4c_bundled.npz;
+    python tools/ds4c/record.py --build DIR --steering
+writes data/oracle/ds4c_steering.npz and data/oracle/ds4c_steering_dirs.f32.
 """
 from __future__ import annotations
 
@@ -132,10 +141,73 @@ def record_bundled(build: Path, work: Path) -> None:
     np.savez_compressed(ORACLE / "ds4c_bundled.npz", **out)
 
 
+STEER_PROMPT, STEER_STEPS, STEER_SEED = 48, 8, 1105
+STEER_CASES = {"none": None, "ffn1": {}, "ffn-2_attn0.5": {"DS4C_STEER_FFN": "-2", "DS4C_STEER_ATTN": "0.5"}}
+
+
+def record_steering(build: Path, work: Path) -> None:
+    """ds4.c with --dir-steering-file/-ffn/-attn (ds4_engine_options) on the oracle model: logits of both paths."""
+    from ds4ref.config import ModelConfig
+    from ds4ref.gguf import GGUFFile
+    with GGUFFile(MODEL) as g:
+        cfg = ModelConfig.from_gguf(g)
+    rng = np.random.default_rng(STEER_SEED)
+    dirs = rng.standard_normal((cfg.n_layer, cfg.n_embd))
+    dirs = (dirs / np.linalg.norm(dirs, axis=1, keepdims=True)).astype("<f4")
+    dirs_path = ORACLE / "ds4c_steering_dirs.f32"
+    dirs.tofile(dirs_path)
+    rnd = random.Random(STEER_SEED)
+    prompt = [0] + [rnd.randrange(2, cfg.n_vocab) for _ in range(STEER_PROMPT - 1)]
+    out = {"prompt_ids": np.array(prompt, np.int32), "dirs": dirs.astype(np.float32),
+           "model_sha256": np.array(hashlib.sha256(MODEL.read_bytes()).hexdigest())}
+    for case, env in STEER_CASES.items():
+        env = None if env is None else dict(env, DS4C_STEER_FILE=str(dirs_path))
+        scales = (0.0, 0.0) if env is None else (float(env.get("DS4C_STEER_ATTN", 0)), float(env.get("DS4C_STEER_FFN", 1)))
+        out[f"{case}.scales_attn_ffn"] = np.array(scales, np.float32)
+        for path in PATHS:
+            dump = work / f"{case}.{path}.dump"
+            env2 = None if env is None else dict(env, DS4C_STEER_DUMP=str(dump))
+            logits, fed, _ = replay(build, MODEL, path, prompt, STEER_STEPS, work / case / path, env=env2)
+            out[f"{case}.{path}_logits"], out[f"{case}.{path}_tokens"] = logits, fed.astype(np.int32)
+            if env is not None and not dump.exists():
+                raise SystemExit(f"{build}: no steering dump; build it with DS4C_PATCH=--dump-steering")
+            if case == "ffn-2_attn0.5" and path == "batch":
+                out.update(read_steering_dump(dump, cfg.n_embd))
+    np.savez_compressed(ORACLE / "ds4c_steering.npz", **out)
+
+
+def read_steering_dump(dump: Path, n_embd: int) -> dict:
+    """shape_patch.py --dump-steering's records -> ops_il, ops_scale [N], ops_x, ops_y [N, n_embd] (prefill
+    calls: rows 0, 8, ..., 40 and 47 only)."""
+    raw, i, il, sc, xs, ys = dump.read_bytes(), 0, [], [], [], []
+    while i < len(raw):
+        l, rows = np.frombuffer(raw[i:i + 8], "<u4")
+        scale = np.frombuffer(raw[i + 8:i + 12], "<f4")[0]
+        i += 12
+        n = int(rows) * n_embd * 4
+        x = np.frombuffer(raw[i:i + n], "<f4").reshape(rows, n_embd)
+        y = np.frombuffer(raw[i + n:i + 2 * n], "<f4").reshape(rows, n_embd)
+        i += 2 * n
+        keep = list(range(0, rows, 8))[:-1] + [rows - 1] if rows > 1 else [0]
+        il += [int(l)] * len(keep)
+        sc += [scale] * len(keep)
+        xs.append(x[keep])
+        ys.append(y[keep])
+    return {"ops_il": np.array(il, np.int32), "ops_scale": np.array(sc, np.float32),
+            "ops_x": np.concatenate(xs), "ops_y": np.concatenate(ys)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", type=Path, required=True)
-    build = ap.parse_args().build
+    ap.add_argument("--steering", action="store_true", help="record only the directional steering case")
+    args = ap.parse_args()
+    build = args.build
+    if args.steering:
+        with tempfile.TemporaryDirectory() as tmp:
+            record_steering(build, Path(tmp))
+        print("wrote", ORACLE / "ds4c_steering.npz", "and", ORACLE / "ds4c_steering_dirs.f32")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")

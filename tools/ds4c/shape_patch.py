@@ -6,7 +6,7 @@ This script rewrites the enum values from the GGUF's metadata (read with ds4ref.
 those literals with the enum names, the same edit data/oracle/README.md describes. It edits nothing else
 and checks that every pattern it relies on was found, so a newer ds4.c fails loudly instead of silently.
 
-    python tools/ds4c/shape_patch.py [--log-experts] PATH/TO/ds4.c MODEL.gguf OUT.c
+    python tools/ds4c/shape_patch.py [--log-experts] [--dump-steering] PATH/TO/ds4.c MODEL.gguf OUT.c
 """
 from __future__ import annotations
 
@@ -49,7 +49,34 @@ EXPERT_LOG = (EXPERT_SELECT + " { static FILE *ds4c_log; const char *ds4c_path =
               " fwrite(selection, sizeof(float), DS4_N_EXPERT, ds4c_log); fflush(ds4c_log); } }")
 
 
-def patch(src: str, cfg: ModelConfig, log_experts: bool = False) -> str:
+# Optional instrumentation (--dump-steering): every directional-steering call appends (il u32, rows u32,
+# scale f32, the rows before [rows, n_embd] f32, the rows after) to the file named by $DS4C_STEER_DUMP.
+# The original function is renamed and kept noinline, so its arithmetic is compiled as before (the
+# instrumented build's logits equal the plain build's bit for bit; record.py --steering checks it).
+STEER_HEAD = """static void cpu_directional_steering_project_rows(
+        float       *x,
+        const float *dirs,
+        uint32_t     il,
+        uint32_t     rows,
+        float        scale) {
+    if (!cpu_directional_steering_enabled(dirs, scale) || !x || rows == 0) return;
+"""
+STEER_ARGS = "(float *x, const float *dirs, uint32_t il, uint32_t rows, float scale)"
+STEER_DUMP = (
+    f"static void ds4c_steer_orig{STEER_ARGS};\n"
+    f"static void cpu_directional_steering_project_rows{STEER_ARGS} {{\n"
+    "    FILE *f = getenv(\"DS4C_STEER_DUMP\") && cpu_directional_steering_enabled(dirs, scale) && x && rows\n"
+    "              ? fopen(getenv(\"DS4C_STEER_DUMP\"), \"ab\") : NULL;\n"
+    "    if (f) { fwrite(&il, 4, 1, f); fwrite(&rows, 4, 1, f); fwrite(&scale, 4, 1, f);\n"
+    "             fwrite(x, 4, (size_t)rows * DS4_N_EMBD, f); }\n"
+    "    ds4c_steer_orig(x, dirs, il, rows, scale);\n"
+    "    if (f) { fwrite(x, 4, (size_t)rows * DS4_N_EMBD, f); fclose(f); }\n"
+    "}\n"
+    f"__attribute__((noinline)) static void ds4c_steer_orig{STEER_ARGS} {{\n"
+    "    if (!cpu_directional_steering_enabled(dirs, scale) || !x || rows == 0) return;\n")
+
+
+def patch(src: str, cfg: ModelConfig, log_experts: bool = False, dump_steering: bool = False) -> str:
     for name, field in ENUM.items():
         src, n = re.subn(rf"(\n\s+{name}\s+= )\d+,", rf"\g<1>{getattr(cfg, field)},", src, count=1)
         if n != 1:
@@ -62,18 +89,22 @@ def patch(src: str, cfg: ModelConfig, log_experts: bool = False) -> str:
         if src.count(EXPERT_SELECT) != 1:
             raise SystemExit("shape_patch: the biased top-k expert selection call was not found")
         src = src.replace(EXPERT_SELECT, EXPERT_LOG)
+    if dump_steering:
+        if src.count(STEER_HEAD) != 1:
+            raise SystemExit("shape_patch: the definition of cpu_directional_steering_project_rows was not found")
+        src = src.replace(STEER_HEAD, STEER_DUMP)
     return src
 
 
 def main(argv: list[str]) -> None:
-    log_experts = "--log-experts" in argv
-    argv = [a for a in argv if a != "--log-experts"]
+    log_experts, dump_steering = "--log-experts" in argv, "--dump-steering" in argv
+    argv = [a for a in argv if a not in ("--log-experts", "--dump-steering")]
     if len(argv) != 3:
         raise SystemExit(__doc__)
     ds4_c, model, out = map(Path, argv)
     with GGUFFile(model) as g:
         cfg = ModelConfig.from_gguf(g)
-    out.write_text(patch(ds4_c.read_text(), cfg, log_experts))
+    out.write_text(patch(ds4_c.read_text(), cfg, log_experts, dump_steering))
     print(f"shape_patch: wrote {out} for n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_vocab={cfg.n_vocab}")
 
 
