@@ -156,6 +156,31 @@ def forward_rows(cfg, w, cache, tokens, pos0: int, be=NUMPY, steering=None):
     return np.stack([output_logits(cfg, w, X, be) for X in Xs]), Xs
 
 
+BATCH_IS_DECODE = ("numpy",)   # backends whose batch path is their decode path, bit for bit
+
+
+def decode_rows(cfg, w, cache, tokens, pos0: int, be=NUMPY, steering=None, stop=None):
+    """forward_rows on forward_token's path, a token at a time: logits [T, n_vocab], final
+    HC states [T, n_hc, n_embd]; stop(i, logits_i) -> True ends it after token i.
+
+    The verifier where a backend's batch path differs from its decode path in the last
+    ulp (numba's fused SiLU, chapter 9): greedy stays exact, without the batch's speed.
+    Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703), in a loop"""
+    logits, states = [], []
+    for i, t in enumerate(tokens):
+        X = hc_from_plain_embedding(embed_token(w, int(t)), cfg.n_hc)   # [n_hc, n_embd]
+        for il, lw in enumerate(w.layers):
+            s_attn, s_ffn = steering_hooks(steering, il)
+            X = layer_attention_one(cfg, lw, cache.layers[il], X, pos0 + i, be,
+                                    steer=s_attn)
+            X = layer_ffn_one(cfg, lw, X, int(t), be, steer=s_ffn)
+        logits.append(output_logits(cfg, w, X, be))
+        states.append(X)
+        if stop is not None and stop(i, logits[-1]):
+            break
+    return np.stack(logits), np.stack(states)
+
+
 class MTPState:
     """The MTP block's own raw KV window: a row per drafted position, rewound by pos.
 
@@ -228,7 +253,8 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
     from the target's final HC state, then from its own output; 3. one batched forward
     verifies the rest, the longest agreeing prefix is committed and the cache rewound
     past it (a snapshot, then a batch re-run of the kept drafts). The tokens are plain
-    greedy decoding's.
+    greedy decoding's. On a backend not in BATCH_IS_DECODE the drafts are decoded one by
+    one instead (decode_rows), which keeps that guarantee and gives up the batch's speed.
     Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
     _check_speculative(s, first_token, max_tokens, eos_token)
     e, cfg = s.engine, s.cfg
@@ -243,9 +269,12 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
         s._logits = np.array(logits, np.float32)
         out.extend(int(t) for t in tokens)
 
+    exact = getattr(be, "name", None) in BATCH_IS_DECODE
+    rows_of = forward_rows if exact else decode_rows
+
     def go():
         P = s.pos
-        logits, hc = forward_rows(cfg, w, s._cache, [first_token], P, be, steer)
+        logits, hc = rows_of(cfg, w, s._cache, [first_token], P, be, steer)
         commit([first_token], logits[0])
         if first_token == eos_token or max_tokens == 1:
             return
@@ -268,18 +297,24 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
             if drafts[-1] == eos_token:
                 break
         if len(drafts) == 1 or (len(drafts) == 2 and _top2_margin(mlog) < e.mtp_margin):
-            rows, _ = forward_rows(cfg, w, s._cache, drafts[:1], P + 1, be, steer)
+            rows, _ = rows_of(cfg, w, s._cache, drafts[:1], P + 1, be, steer)
             commit(drafts[:1], rows[0])                    # a plain decode of draft 0
             st.keep(P + 2)
             return
-        snap = s._cache.copy()
-        rows, _ = forward_rows(cfg, w, s._cache, drafts, P + 1, be, steer)  # [k, V]
-        n = 1
-        while n < len(drafts) and sample_argmax(rows[n - 1]) == drafts[n]:
-            n += 1
-        if n < len(drafts):                             # rewind, re-run the kept prefix
-            s._cache = snap
-            rows, _ = forward_rows(cfg, w, s._cache, drafts[:n], P + 1, be, steer)
+        if not exact:                      # decode the drafts, stop after the first miss
+            rows, _ = decode_rows(cfg, w, s._cache, drafts, P + 1, be, steer,
+                                  stop=lambda i, lg: i + 1 < len(drafts)
+                                  and sample_argmax(lg) != drafts[i + 1])
+            n = len(rows)
+        else:
+            snap = s._cache.copy()
+            rows, _ = forward_rows(cfg, w, s._cache, drafts, P + 1, be, steer)  # [k, V]
+            n = 1
+            while n < len(drafts) and sample_argmax(rows[n - 1]) == drafts[n]:
+                n += 1
+            if n < len(drafts):                         # rewind, re-run the kept prefix
+                s._cache = snap
+                rows, _ = forward_rows(cfg, w, s._cache, drafts[:n], P + 1, be, steer)
         commit(drafts[:n], rows[n - 1])
         st.keep(P + 1 + n)
     s._run(go)
