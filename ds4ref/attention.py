@@ -5,8 +5,10 @@ import numpy as np
 
 from ds4ref.backend import NUMPY
 from ds4ref.norms import head_rms_norm, rms_norm_weight
+from ds4ref.weights import f32_of
 
-DS4_NEG_INF = np.float32(-1e30)  # ds4.c's finite "minus infinity" (masked scores, max initialisation)
+# ds4.c's finite "minus infinity" DS4_NEG_INF (l. 50): masked scores, max initialisation
+NEG_INF = np.float32(-1e30)
 
 
 def layer_q_projection(a, layer, cfg, be=NUMPY):
@@ -52,7 +54,7 @@ def attention_scores(q, kv, allowed=None, n_raw=None) -> np.ndarray:
     scale = np.float32(1.0) / np.sqrt(np.float32(q.shape[-1]))
     s = np.matmul(q, np.swapaxes(kv, -1, -2)) * scale           # [..., n_head, n_rows]
     mask = _row_mask(kv.shape[-2], allowed, n_raw)
-    return s if mask is None else np.where(mask[..., None, :], s, DS4_NEG_INF)
+    return s if mask is None else np.where(mask[..., None, :], s, NEG_INF)
 
 
 def attention_rows(q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
@@ -61,12 +63,12 @@ def attention_rows(q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
     q [..., n_head, hd], kv [..., n_rows, hd] (raw rows, then compressed rows), sinks [n_head] (array or Tensor);
     allowed / n_raw as in attention_scores. Mirrors ds4.c: layer_attention_rows_one (l. 4969),
     layer_attention_mixed_one (l. 6700)"""
-    sinks = np.asarray(sinks.numpy() if hasattr(sinks, "numpy") else sinks, dtype=np.float32)
+    sinks = f32_of(sinks)
     s = attention_scores(q, kv, allowed, n_raw)
     if sinks.shape != s.shape[-2:-1]:
         raise ValueError(f"attention: sinks has shape {sinks.shape}, expected ({s.shape[-2]},)")
-    m = np.maximum(s.max(axis=-1, initial=DS4_NEG_INF), sinks)[..., None]   # [..., n_head, 1]
-    w = np.where(s <= DS4_NEG_INF * np.float32(0.5), np.float32(0.0), np.exp(s - m))
+    m = np.maximum(s.max(axis=-1, initial=NEG_INF), sinks)[..., None]   # [..., n_head, 1]
+    w = np.where(s <= NEG_INF * np.float32(0.5), np.float32(0.0), np.exp(s - m))
     denom = np.exp(sinks[:, None] - m) + w.sum(axis=-1, keepdims=True)
     return np.matmul(w, np.asarray(kv, dtype=np.float32)) * (np.float32(1.0) / denom)
 

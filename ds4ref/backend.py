@@ -5,7 +5,13 @@ import numpy as np
 
 from ds4ref.matvec import (matvec_f16, matvec_iq2_xxs_pair_q8_K, matvec_iq2_xxs_q8_K, matvec_q2_K_q8_K,
                            matvec_q4_K_q8_K, matvec_q8_0_prequant)
+from ds4ref.gguf import DS4RefError
 from ds4ref.quant import quantize_q8_0
+
+
+class BackendError(DS4RefError, ValueError):
+    """An unknown backend name, or a backend whose package or hardware is missing (the
+    message says which). Mirrors ds4.c: ds4_engine_open's backend check (l. 17165)"""
 
 
 class NumpyBackend:

@@ -19,6 +19,7 @@ from numba import njit, prange
 
 import ds4ref
 from ds4ref.backend import NUMPY
+from ds4ref.gguf import GGML_BLOCK, GGMLType
 from ds4ref.quant import quantize_q8_0, quantize_q8_K
 
 RESULTS = Path(ds4ref.__file__).resolve().parents[1] / "book" / "results"
@@ -31,7 +32,9 @@ MATVEC_SHAPES = [
     ("Q2_K 2048->4096 (expert down)", "Q2_K", 2048, 4096),
     ("F16 4096->256 (router)", "F16", 4096, 256),
 ]
-BLOCK = {"Q8_0": (32, 34, [0]), "Q2_K": (256, 84, [80, 82]), "IQ2_XXS": (256, 66, [0]), "F16": (1, 2, [])}
+# kind -> (elements per block, bytes per block, byte offsets of its f16 scales)
+BLOCK = {k: (*GGML_BLOCK[GGMLType[k]], scales) for k, scales in
+         {"Q8_0": [0], "Q2_K": [80, 82], "IQ2_XXS": [0], "F16": []}.items()}
 
 
 def machine() -> dict:

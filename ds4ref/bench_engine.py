@@ -181,11 +181,12 @@ def random_blocks(rng, rows: int, n: int, ggml_type: int) -> np.ndarray:
     """Random valid GGUF rows uint8 [rows, row_bytes] (random codes, small finite f16 scales): speed does not
     depend on the values, so the kernel benchmark needs no quantizer.
     Mirrors ds4.c: nothing (benchmark harness)"""
+    from ds4ref.gguf import GGML_BLOCK, GGMLType
     from ds4ref.quant import row_bytes
     if ggml_type == 1:
         return rng.standard_normal((rows, n)).astype(np.float16).view(np.uint8)
     raw = rng.integers(0, 256, (rows, row_bytes(n, ggml_type)), dtype=np.uint8)
-    size = {8: 34, 16: 66, 10: 84}[ggml_type]
+    size = GGML_BLOCK[GGMLType(ggml_type)][1]
     blocks = raw.reshape(rows, -1, size)
     scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     for off in {8: (0,), 16: (0,), 10: (80, 82)}[ggml_type]:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backend import NUMPY
+from ds4ref.gguf import DS4RefError
 from ds4ref.kvcache import NEG_INF
 from ds4ref.quant import fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.rope import rope_tail
+from ds4ref.weights import f32_of
 
 
-class CompressorError(ValueError):
+class CompressorError(DS4RefError, ValueError):
     """A compressor state or input has the wrong shape, or the ratio is not 4 or 128."""
 
 
@@ -81,8 +83,7 @@ def compressor_norm(pooled, norm, eps: float = 1e-6) -> np.ndarray:
     pooled = np.asarray(pooled, np.float32)
     ss = np.sum(pooled.astype(np.float64) ** 2)
     scale = np.float32(1) / np.sqrt(np.float32(ss / pooled.size) + np.float32(eps))
-    w = norm.numpy() if hasattr(norm, "numpy") else np.asarray(norm, np.float32)
-    return (pooled * scale * w).astype(np.float32)
+    return (pooled * scale * f32_of(norm)).astype(np.float32)
 
 
 def compressor_advance_state(state_kv, state_score, ratio: int) -> None:

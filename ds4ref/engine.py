@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4ref.backend import BackendError
+from ds4ref.gguf import DS4RefError
 from ds4ref.kvcache import KVCache, kv_cache_bytes
 from ds4ref.model import forward_token, prefill
 from ds4ref.sample import SampleRNG, SamplingError, sample, sample_argmax
@@ -20,7 +22,7 @@ from ds4ref.trace import Trace
 MAX_CACHE_BYTES = 16 * 2**30   # refuse a session whose KV cache alone would exceed this
 
 
-class SessionError(ValueError):
+class SessionError(DS4RefError, ValueError):
     """A session operation got bad input; the session is unchanged and still usable."""
 
 
@@ -38,10 +40,6 @@ class EmptyPromptError(SessionError):
 
 class NoLogitsError(SessionError):
     """Logits were asked for before any token was evaluated."""
-
-
-class BackendError(ValueError):
-    """An unknown or unavailable compute backend."""
 
 
 def resolve_backend(backend):

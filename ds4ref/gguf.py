@@ -12,7 +12,12 @@ from pathlib import Path
 import numpy as np
 
 
-class GGUFError(ValueError):
+class DS4RefError(Exception):
+    """Base of every error ds4ref raises on purpose. Each subclass keeps a built-in
+    base too (GGUFError is also a ValueError), so `except ValueError` still works."""
+
+
+class GGUFError(DS4RefError, ValueError):
     """A GGUF file, or the DS4 model in it, is malformed; the message names the key or tensor."""
 
 

@@ -5,11 +5,7 @@ import numpy as np
 
 from ds4ref.backend import NUMPY
 from ds4ref.norms import rms_norm_no_weight
-
-
-def _f32(t) -> np.ndarray:
-    """A small F32 weight (Tensor or array) as a float32 array."""
-    return np.asarray(t.numpy() if hasattr(t, "numpy") else t, dtype=np.float32)
+from ds4ref.weights import f32_of
 
 
 def _check_hc_state(X, cfg, what: str) -> np.ndarray:
@@ -44,7 +40,7 @@ def hc_split_sinkhorn(mix, scale, base, n_hc: int = 4, iters: int = 20, eps: flo
     comb[s, d] (source s, destination d; flat index 2*n_hc + s*n_hc + d) is Sinkhorn-normalised.
     Mirrors ds4.c: hc_split_sinkhorn_one (l. 4258)"""
     mix = np.asarray(mix, dtype=np.float32)
-    scale, base = _f32(scale), _f32(base)
+    scale, base = f32_of(scale), f32_of(base)
     n_mix = 2 * n_hc + n_hc * n_hc
     if mix.shape[-1:] != (n_mix,) or base.shape != (n_mix,) or scale.shape != (3,):
         raise ValueError(f"hc_split_sinkhorn: mix {mix.shape}, scale {scale.shape}, base {base.shape}; "
@@ -103,8 +99,10 @@ def hc_post(y, X, post, comb) -> np.ndarray:
     return out
 
 
-def _sigmoid_stable(z: np.ndarray) -> np.ndarray:
-    """1 / (1 + e^-z) from e^-|z|, which never overflows. Mirrors ds4.c: sigmoid_stable (l. 4957)"""
+def sigmoid_stable(z: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-z) from e^-|z|, which never overflows; z float32 (also MoE's SiLU).
+
+    Mirrors ds4.c: sigmoid_stable (l. 4957)"""
     e = np.exp(-np.abs(z))
     one = np.float32(1.0)
     return np.where(z >= 0, one / (one + e), e / (one + e))
@@ -115,7 +113,7 @@ def output_hc_weights(mix, scale, base, eps: float = 1e-6) -> np.ndarray:
 
     Mirrors ds4.c: output_hc_head_one (l. 8008)"""
     mix = np.asarray(mix, dtype=np.float32)
-    return _sigmoid_stable(mix * _f32(scale)[0] + _f32(base)) + np.float32(eps)
+    return sigmoid_stable(mix * f32_of(scale)[0] + f32_of(base)) + np.float32(eps)
 
 
 def output_hc_head(X, fn, scale, base, cfg, be=NUMPY) -> np.ndarray:

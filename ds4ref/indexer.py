@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backend import NUMPY
+from ds4ref.gguf import DS4RefError
 from ds4ref.quant import indexer_qat_row
 from ds4ref.rope import rope_tail
 
 
-class IndexerError(ValueError):
+class IndexerError(DS4RefError, ValueError):
     """Bad indexer input: rows of the wrong width, or a forced selection outside the cache."""
 
 

@@ -7,12 +7,12 @@ import copy
 
 import numpy as np
 
+from ds4ref.attention import NEG_INF  # ds4.c's finite -infinity DS4_NEG_INF (l. 50)
+from ds4ref.gguf import DS4RefError
 from ds4ref.quant import f16_round
 
-NEG_INF = np.float32(-1e30)  # ds4.c's finite minus infinity (DS4_NEG_INF, l. 50)
 
-
-class KVCacheError(ValueError):
+class KVCacheError(DS4RefError, ValueError):
     """A KV cache was built with a bad size, given a row of the wrong width, or filled past capacity."""
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4ref.gguf import DS4RefError
 from ds4ref.quant import (BLOCKS, F16, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPE_NAMES, quantize_q8_0, unpack_iq2_xxs_signed,
                           unpack_q2_K, unpack_q4_K)
 
-QK8_0 = 32   # values per Q8_0 block
-QK_K = 256   # values per K-quant / IQ2_XXS super-block
+QK8_0 = BLOCKS[Q8_0][0]   # values per Q8_0 block (32)
+QK_K = BLOCKS[Q2_K][0]    # values per K-quant / IQ2_XXS super-block (256)
 
 
-class MatvecError(ValueError):
+class MatvecError(DS4RefError, ValueError):
     """A weight or an activation handed to a matvec has the wrong type, shape or length."""
 
 

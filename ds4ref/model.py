@@ -9,14 +9,14 @@ import numpy as np
 
 from ds4ref.attention_layer import layer_attention_batch, layer_attention_one
 from ds4ref.backend import NUMPY
-from ds4ref.gguf import GGMLType
+from ds4ref.gguf import DS4RefError, GGMLType
 from ds4ref.hc import hc_from_plain_embedding, hc_mix, hc_weighted_sum, output_hc_weights
 from ds4ref.moe import layer_ffn_batch, layer_ffn_one
 from ds4ref.norms import rms_norm_weight
 from ds4ref.trace import Trace
 
 
-class ModelError(ValueError):
+class ModelError(DS4RefError, ValueError):
     """Bad input to the forward pass (the message names it)."""
 
 

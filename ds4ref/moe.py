@@ -6,21 +6,17 @@ the whole FFN sub-layer of a DeepSeek V4 Flash layer, as ds4.c's CPU path comput
 import numpy as np
 
 from ds4ref.backend import NUMPY
-from ds4ref.hc import hc_mix, hc_post, hc_split_sinkhorn, hc_weighted_sum
+from ds4ref.gguf import DS4RefError
+from ds4ref.hc import (hc_mix, hc_post, hc_split_sinkhorn, hc_weighted_sum,
+                       sigmoid_stable)
 from ds4ref.norms import rms_norm_weight
 from ds4ref.quant import Q8KAct, quantize_q8_0, quantize_q8_K
 
 ROUTER_SUM_FLOOR = np.float32(6.103515625e-5)  # 2^-14: the floor ds4.c puts under the sum of the 6 weights
 
 
-class MoEError(ValueError):
+class MoEError(DS4RefError, ValueError):
     """Bad input to the MoE: a token or expert id out of range, a missing routing tensor, a wrong shape."""
-
-
-def _sigmoid_stable(x):
-    x = np.asarray(x, np.float32)
-    e = np.exp(-np.abs(x))                              # never exp of a positive number
-    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32)
 
 
 def silu(x):
@@ -28,7 +24,7 @@ def silu(x):
 
     Mirrors ds4.c: silu (l. 5084)"""
     x = np.asarray(x, np.float32)
-    return (x * _sigmoid_stable(x)).astype(np.float32)
+    return (x * sigmoid_stable(x)).astype(np.float32)
 
 
 def softplus_stable(x):

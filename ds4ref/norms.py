@@ -3,6 +3,8 @@
 """RMSNorm as ds4.c computes it: the sum of squares in float64, everything else in float32."""
 import numpy as np
 
+from ds4ref.weights import f32_of
+
 DS4_RMS_EPS = 1e-6
 
 
@@ -26,7 +28,7 @@ def rms_norm_weight(x, w, eps: float = DS4_RMS_EPS) -> np.ndarray:
 
     Mirrors ds4.c: rms_norm_weight (l. 2781)"""
     x = np.asarray(x, dtype=np.float32)
-    w = np.asarray(w.numpy() if hasattr(w, "numpy") else w, dtype=np.float32)
+    w = f32_of(w)
     if w.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm_weight: weight has shape {w.shape}, expected ({x.shape[-1]},)")
     return (x * _rms_scale(x, eps)) * w

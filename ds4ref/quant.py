@@ -8,16 +8,18 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ds4ref.gguf import GGML_BLOCK, DS4RefError, GGMLType
 
-class QuantError(ValueError):
+
+class QuantError(DS4RefError, ValueError):
     """Bad input to a (de)quantizer: wrong byte length, bad row length, unknown type, NaN/inf."""
 
 
-# ggml type ids (the GGUF enum; ds4.c l. 888-896 lists the ones it reads)
-F32, F16, Q8_0, Q2_K, Q4_K, Q8_K, IQ2_XXS, BF16 = 0, 1, 8, 10, 12, 15, 16, 30
-QK_K = 256  # elements per K-quant super-block
-TYPE_NAMES = {F32: "F32", F16: "F16", Q8_0: "Q8_0", Q2_K: "Q2_K", Q4_K: "Q4_K",
-              Q8_K: "Q8_K", IQ2_XXS: "IQ2_XXS", BF16: "BF16"}
+# the ggml type ids ds4.c reads (l. 888-896), as plain ints; their home is GGMLType
+TYPE_NAMES = {int(GGMLType[n]): n for n in
+              ("F32", "F16", "Q8_0", "Q2_K", "Q4_K", "Q8_K", "IQ2_XXS", "BF16")}
+F32, F16, Q8_0, Q2_K, Q4_K, Q8_K, IQ2_XXS, BF16 = TYPE_NAMES
+QK_K = GGML_BLOCK[GGMLType.Q8_K][0]  # elements per K-quant super-block (256)
 
 
 block_q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", 32)])                                  # ds4.c: dot_q8_0_row
@@ -26,21 +28,14 @@ block_q4_K = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs
 block_q8_K = np.dtype([("d", "<f4"), ("qs", "i1", QK_K), ("bsums", "<i2", 16)])        # l. 146
 block_iq2_xxs = np.dtype([("d", "<f2"), ("qs", "<u2", 32)])                              # l. 152
 
-# the Python twin of ds4.c's DS4_STATIC_ASSERTs (l. 158-161)
-assert block_q8_0.itemsize == 34 and block_q2_K.itemsize == 84 and block_q4_K.itemsize == 144
-assert block_q8_K.itemsize == 292 and block_iq2_xxs.itemsize == 66
+# ggml type -> (elements per block, bytes per block, block dtype); sizes: GGML_BLOCK
+BLOCKS = {t: (*GGML_BLOCK[GGMLType(t)], dtype) for t, dtype in {
+    F32: np.dtype("<f4"), F16: np.dtype("<f2"), BF16: np.dtype("<u2"),
+    Q8_0: block_q8_0, Q2_K: block_q2_K, Q4_K: block_q4_K, Q8_K: block_q8_K,
+    IQ2_XXS: block_iq2_xxs}.items()}
 
-# ggml type -> (elements per block, bytes per block, block dtype)
-BLOCKS = {
-    F32: (1, 4, np.dtype("<f4")),
-    F16: (1, 2, np.dtype("<f2")),
-    BF16: (1, 2, np.dtype("<u2")),
-    Q8_0: (32, 34, block_q8_0),
-    Q2_K: (QK_K, 84, block_q2_K),
-    Q4_K: (QK_K, 144, block_q4_K),
-    Q8_K: (QK_K, 292, block_q8_K),
-    IQ2_XXS: (QK_K, 66, block_iq2_xxs),
-}
+# the Python twin of ds4.c's DS4_STATIC_ASSERTs (l. 158-161): each layout fills a block
+assert all(dtype.itemsize == nbytes for _, nbytes, dtype in BLOCKS.values())
 
 
 def _type_info(ggml_type) -> tuple[int, int, np.dtype]:

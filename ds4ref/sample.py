@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4ref.gguf import DS4RefError
+
 _MASK64 = (1 << 64) - 1
 TOP_K_MAX = 1024  # ds4.c keeps at most 1024 candidates on its stack
 
 
-class SamplingError(ValueError):
+class SamplingError(DS4RefError, ValueError):
     """A sampling parameter is out of its range (the message names it)."""
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4ref.gguf import DS4RefError
 
-class SteeringError(ValueError):
+
+class SteeringError(DS4RefError, ValueError):
     """A bad direction file or steering option (the message names which)."""
 
 

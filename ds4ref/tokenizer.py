@@ -6,8 +6,10 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable, Sequence
 
+from ds4ref.gguf import DS4RefError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(DS4RefError, ValueError):
     """The vocabulary is unusable or an id is out of range (the message names it)."""
 
 

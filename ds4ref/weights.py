@@ -73,6 +73,15 @@ class Tensor:
         return f"Tensor({self.name!r}, {self.ggml_type.name}, shape={list(self.shape)}, {self.nbytes} bytes)"
 
 
+def f32_of(w) -> np.ndarray:
+    """A small float weight (an F32/F16/BF16 `Tensor` such as a norm or the sinks, or an
+    array) as a C-contiguous float32 array: the one conversion every op uses.
+
+    Mirrors ds4.c: tensor_data (l. 1472), for F32 tensors"""
+    w = w.numpy() if hasattr(w, "numpy") else w
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """What ds4.c expects of one tensor: name, field, layer, allowed types (first = the q2 model's), shape."""

@@ -15,7 +15,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ds4ref.config import ModelConfig
-from ds4ref.gguf import _SCALAR_DTYPE, GGMLType, GGUFError, GGUFValueType as V, type_nbytes
+from ds4ref.gguf import (_SCALAR_DTYPE, GGML_BLOCK, DS4RefError, GGMLType, GGUFError,
+                         GGUFValueType as V, type_nbytes)
 from ds4ref.weights import SPECIAL_TOKENS, TensorSpec, tensor_specs
 
 T = GGMLType
@@ -56,7 +57,7 @@ class TensorData:
         return type_nbytes(self.ggml_type, int(np.prod(self.shape, dtype=object)))
 
 
-class SparseFileError(OSError):
+class SparseFileError(DS4RefError, OSError):
     """The filesystem cannot make holes: a hole-mode file would take its full size."""
 
 
@@ -164,7 +165,7 @@ def _random_blocks(ggml_type: GGMLType, n_blocks: int, rng: np.random.Generator,
     IQ2_XXS: any grid/sign/scale bytes are valid. Q2_K: 4-bit scales sc in 1..10 with mins
     m = round(1.5 sc) and dmin = d, so each 16-value sub-block (q in 0..3) is centred near zero.
     Q4_K: 6-bit scales sc in 1..7 with mins m = 8 sc and dmin = 7.5 d / 8 (q in 0..15, mean 7.5)."""
-    block_bytes = {T.IQ2_XXS: 66, T.Q2_K: 84, T.Q4_K: 144}[ggml_type]
+    block_bytes = GGML_BLOCK[ggml_type][1]
     b = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
     if ggml_type == T.Q2_K:
         sc = rng.integers(1, 11, (n_blocks, 16))

@@ -16,12 +16,9 @@ from ds4ref.config import ModelConfig
 from ds4ref.quant import quantize_q8_0
 from ds4ref.rope import rope_params, rope_tail, rope_theta, yarn_corr_dims, yarn_ramp
 
+from _helpers import rel
+
 FLOAT_TOL = 1e-5  # data/oracle/README.md: float ops within 1e-5 relative
-
-
-def rel(port, ds4) -> float:
-    port, ds4 = np.asarray(port, np.float64), np.asarray(ds4, np.float64)
-    return float(np.max(np.abs(port - ds4)) / np.max(np.abs(ds4)))
 
 
 def cases(cfg, positions):

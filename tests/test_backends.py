@@ -24,33 +24,15 @@ from ds4ref.backends import (BACKENDS, HARDWARE, VERIFIED, BackendError, availab
 from ds4ref.backends.cupy_backend import KERNEL_FILES, KERNEL_NAMES, kernel_source
 from ds4ref.engine import Engine, logit_agreement, replay_golden
 from ds4ref.matvec import MatvecError
-from ds4ref.quant import Q8Act, Q8KAct, quantize, quantize_q8_0, quantize_q8_K
-from ds4ref.weights import load_model
+from ds4ref.quant import Q8KAct, quantize, quantize_q8_0, quantize_q8_K
+
+from _helpers import q8, q8k, rel
 
 TOL = 1e-5                                          # data/oracle/README.md: float ops, relative
 LOOSE = dict(corr=0.98, mean_abs=0.3, max_abs=1.5)  # README "How to compare" 3 (same as test_engine)
 CPU_BACKENDS = ["numba", "mlx"]
 POSITIONS = (1, 67, 131, 299)
 LAYERS = (1, 3, 4)
-
-
-def rel(port, ref):
-    port, ref = np.asarray(port, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(port - ref)) / np.max(np.abs(ref)))
-
-
-@pytest.fixture(scope="module")
-def model(oracle_gguf):
-    return load_model(oracle_gguf)
-
-
-def q8(ops, key):
-    return Q8Act(ops[key + ".qs"], ops[key + ".d"])
-
-
-def q8k(ops, key, i=None):
-    f = [ops[key + "." + n] for n in ("qs", "d", "bsums")]
-    return Q8KAct(*(v if i is None else v[i] for v in f))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -202,7 +184,7 @@ def test_f16_matvec_equals_numpy_reference(name):
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_matvecs_match_ds4c_oracle_from_its_quantized_inputs(name, model, ops_A):
     be = get_backend(name)
-    _, _, W = model
+    _, W = model
     worst = {}
     for il in LAYERS:
         L = W.layers[il]
@@ -228,7 +210,7 @@ def test_matvecs_match_ds4c_oracle_from_its_quantized_inputs(name, model, ops_A)
 
 def test_mlx_keeps_weights_quantized_in_memory(model):
     be = get_backend("mlx")
-    _, _, W = model
+    _, W = model
     t = W.layers[3].ffn_gate_exps.expert(5)
     be.matvec_iq2_xxs_q8_K(t, quantize_q8_K(np.ones(t.data.shape[1] // 66 * 256, np.float32)))
     key = (t.data.__array_interface__["data"][0], t.data.shape, t.data.strides)
@@ -253,7 +235,7 @@ def test_bad_weight_or_activation_gives_named_errors():
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_routed_experts_match_ds4c_and_the_per_expert_reference(name, model, ops_A):
     nb = get_backend(name)
-    _, cfg, W = model
+    cfg, W = model
     for il in LAYERS:
         L = W.layers[il]
         for p in POSITIONS:
@@ -281,7 +263,7 @@ def test_numba_fused_expert_kernels_give_the_same_bits_on_either_path(model, ops
     assert (nbm.EXPERTS_MID_SIMD is None) == (IQ2_XXS_SIMD is None)          # chapter 03's choice decides
     assert (nbm.EXPERTS_DOWN_SIMD is None) == (Q2_K_SIMD is None)
     nb = get_backend("numba")
-    _, cfg, W = model
+    cfg, W = model
 
     def both(fn):
         fast = fn()
@@ -319,7 +301,7 @@ def cached_rows(ops, K):
 def test_attention_rows_matches_ds4c_and_the_reference(name, model, ops_A):
     from ds4ref.attention import attention_rows
     nb = get_backend(name)
-    _, _, W = model
+    _, W = model
     for il in LAYERS:
         for p in POSITIONS:
             K = f"L{il}.P{p}."
@@ -395,7 +377,7 @@ def test_cupy_matvec_equals_numpy_on_random_weights(cupy_be, ggml_type):
 
 @pytest.mark.gpu
 def test_cupy_matvecs_match_ds4c_oracle(cupy_be, model, ops_A):
-    _, cfg, W = model
+    cfg, W = model
     for il in LAYERS:
         L = W.layers[il]
         for p in POSITIONS:
@@ -419,7 +401,7 @@ def test_cupy_matvecs_match_ds4c_oracle(cupy_be, model, ops_A):
 @pytest.mark.gpu
 def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
     from ds4ref.rope import rope_tail
-    _, cfg, W = model
+    cfg, W = model
     pooled_checks = 0
     for il in LAYERS:
         L = W.layers[il]
@@ -506,7 +488,7 @@ def fake_cupy(monkeypatch):
 def test_cupy_glue_launches_every_kernel_with_the_signature_of_its_source(fake_cupy, model, ops_A):
     from ds4ref.backends.cupy_backend import CupyBackend
     be = CupyBackend()
-    _, cfg, W = model
+    cfg, W = model
     L, K = W.layers[4], "L4.P131."
     ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
     assert be.matvec_q8_0(L.attn_q_a, ops_A[K + "attn_norm"]).shape == (cfg.n_lora_q,)
@@ -543,7 +525,7 @@ def test_bad_expert_ids_and_attention_shapes_raise_before_any_kernel_runs(name, 
         be = CupyBackend()
     else:
         be = get_backend(name)
-    _, cfg, W = model
+    cfg, W = model
     L, K = W.layers[4], "L4.P131."
     a = q8k(ops_A, K + "q8k.ffn_gate_up_exps")
     wts = ops_A[K + "exp_weights"]

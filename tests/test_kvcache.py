@@ -15,6 +15,8 @@ from ds4ref.kvcache import KVCache, KVCacheError, LayerCache, kv_cache_bytes
 from ds4ref.quant import f16_round, fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.rope import rope_tail
 
+from _helpers import rel
+
 LANES = {"comp": "attn_compressor", "icomp": "indexer_compressor"}
 
 
@@ -26,12 +28,6 @@ def ops(ops_A):
 @pytest.fixture(scope="module")
 def positions(ops):
     return [int(p) for p in ops["positions"]]
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) if b.size else 0.0
 
 
 def seeded_cache(cfg, ops, il, p):

@@ -12,22 +12,10 @@ from ds4ref.matvec import MatvecError, matvec_f16, matvec_q8_0, matvec_q8_0_preq
 from ds4ref.numba_kernels import NUMBA, NumbaBackend
 from ds4ref.quant import Q8Act, Q8KAct, QuantError, quantize, quantize_q8_0, quantize_q8_K
 
+from _helpers import q8, q8k, rel
+
 BACKENDS = [NUMPY, NUMBA]
 TYPE_ID = {"F16": 1, "Q8_0": 8, "Q2_K": 10, "Q4_K": 12, "IQ2_XXS": 16}
-
-
-def rel(got, want) -> float:
-    """The README's float-op metric: max |port - ds4| / max |ds4|."""
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
-
-
-def q8(ops, key) -> Q8Act:
-    return Q8Act(ops[key + ".qs"], ops[key + ".d"])
-
-
-def q8k(ops, key, i=None) -> Q8KAct:
-    f = [ops[key + s] for s in (".qs", ".d", ".bsums")]
-    return Q8KAct(*(a if i is None else a[i] for a in f))
 
 
 def layer_keys(ops):

@@ -19,14 +19,11 @@ from ds4ref.moe import (MoEError, _hc_ffn_pre, _sum_slots, hash_selected_experts
 from ds4ref.norms import rms_norm_weight
 from ds4ref.quant import Q8Act, Q8KAct, dequantize, quantize_q8_0, quantize_q8_K
 
+from _helpers import rel
+
 REL = 1e-5
 FFN_PREFIXES = ("ffn_", "router_", "exp_", "q8k.ffn", "q8.ffn", "moe_", "shared_", "hc_out")
 LAYERS = range(6)
-
-
-def rel_err(a, b) -> float:
-    b = np.asarray(b, np.float64)
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def token_at(ops, p) -> int:
@@ -51,7 +48,7 @@ def q8(ops, pre, name) -> Q8Act:
 def test_silu_softplus_swiglu_match_float64_formulas():
     x = np.linspace(-40, 40, 4001, dtype=np.float32)
     x64 = x.astype(np.float64)
-    assert rel_err(silu(x), x64 / (1 + np.exp(-x64))) < 1e-6
+    assert rel(silu(x), x64 / (1 + np.exp(-x64))) < 1e-6
     sp = np.log1p(np.exp(x64))
     assert np.allclose(softplus_stable(x), sp, rtol=2e-7, atol=0)           # all three branches
     assert softplus_stable(np.float32(25.0)) == np.float32(25.0)            # x > 20: x itself
@@ -78,21 +75,21 @@ def test_ffn_ops_match_ds4c_oracle(il, model, ops_A, positions):
         rec = Recorder()
         x, post, comb = _hc_ffn_pre(cfg, lw, o("after_attn_hc"), NUMPY, rec)
         for n in ("ffn_hc_mix", "ffn_hc_split", "ffn_x", "ffn_post", "ffn_comb"):
-            assert rel_err(rec[n], o(n)) < REL, (pre, n)
+            assert rel(rec[n], o(n)) < REL, (pre, n)
         # norm
-        assert rel_err(rms_norm_weight(o("ffn_x"), lw.ffn_norm.numpy()), o("ffn_norm")) < REL
+        assert rel(rms_norm_weight(o("ffn_x"), lw.ffn_norm.numpy()), o("ffn_norm")) < REL
         # router: logits, scores, bias, selection, weights
         logits, probs = router_probs(lw, o("ffn_norm"))
-        assert rel_err(logits, o("router_logits")) < REL
-        assert rel_err(np.sqrt(softplus_stable(o("router_logits"))), o("router_probs")) < REL
+        assert rel(logits, o("router_logits")) < REL
+        assert rel(np.sqrt(softplus_stable(o("router_logits"))), o("router_probs")) < REL
         if bias is None:
             sel = hash_selected_experts(lw, token_at(ops_A, p), cfg)
         else:
-            assert rel_err(o("router_probs") + bias, o("router_biased")) < REL
+            assert rel(o("router_probs") + bias, o("router_biased")) < REL
             sel = topk_selected_experts(o("router_biased"), None, cfg.n_expert_used)
             assert np.array_equal(topk_selected_experts(o("router_probs"), bias, 6), sel)
         assert np.array_equal(sel, o("exp_ids")), pre
-        assert rel_err(router_weights(o("router_probs"), o("exp_ids"), cfg), o("exp_weights")) < REL
+        assert rel(router_weights(o("router_probs"), o("exp_ids"), cfg), o("exp_weights")) < REL
         # routed experts: Q8_K input, gate/up, mid, Q8_K mid, down, sum
         a = quantize_q8_K(o("ffn_norm"))
         for f, want in zip(a, q8k(ops_A, pre, "q8k.ffn_gate_up_exps")):
@@ -100,11 +97,11 @@ def test_ffn_ops_match_ds4c_oracle(il, model, ops_A, positions):
         xq = q8k(ops_A, pre, "q8k.ffn_gate_up_exps")
         for i, e in enumerate(o("exp_ids")):
             g, u = NUMPY.matvec_iq2_xxs_pair_q8_K(lw.ffn_gate_exps.expert(int(e)), lw.ffn_up_exps.expert(int(e)), xq)
-            assert rel_err(g, o("exp_gate")[i]) < REL and rel_err(u, o("exp_up")[i]) < REL, (pre, i)
+            assert rel(g, o("exp_gate")[i]) < REL and rel(u, o("exp_up")[i]) < REL, (pre, i)
             d = NUMPY.matvec_q2_K_q8_K(lw.ffn_down_exps.expert(int(e)), q8k(ops_A, pre, "q8k.ffn_down_exps", i))
-            assert rel_err(d, o("exp_down")[i]) < REL, (pre, i)
+            assert rel(d, o("exp_down")[i]) < REL, (pre, i)
         mid = swiglu(o("exp_gate"), o("exp_up"), cfg.swiglu_clamp) * o("exp_weights")[:, None]
-        assert rel_err(mid, o("exp_mid")) < REL
+        assert rel(mid, o("exp_mid")) < REL
         for f, want in zip(quantize_q8_K(o("exp_mid")), q8k(ops_A, pre, "q8k.ffn_down_exps")):
             assert np.array_equal(f, want), (pre, "q8k.ffn_down_exps")
         acc = o("exp_down")[0].copy()
@@ -115,16 +112,16 @@ def test_ffn_ops_match_ds4c_oracle(il, model, ops_A, positions):
         for f, want in zip(quantize_q8_0(o("ffn_norm")), q8(ops_A, pre, "q8.ffn_gate_shexp")):
             assert np.array_equal(f, want), (pre, "q8.ffn_gate_shexp")
         a8 = q8(ops_A, pre, "q8.ffn_gate_shexp")
-        assert rel_err(NUMPY.matvec_q8_0_prequant(lw.ffn_gate_shexp, a8), o("shared_gate")) < REL
-        assert rel_err(NUMPY.matvec_q8_0_prequant(lw.ffn_up_shexp, a8), o("shared_up")) < REL
-        assert rel_err(swiglu(o("shared_gate"), o("shared_up"), cfg.swiglu_clamp), o("shared_mid")) < REL
+        assert rel(NUMPY.matvec_q8_0_prequant(lw.ffn_gate_shexp, a8), o("shared_gate")) < REL
+        assert rel(NUMPY.matvec_q8_0_prequant(lw.ffn_up_shexp, a8), o("shared_up")) < REL
+        assert rel(swiglu(o("shared_gate"), o("shared_up"), cfg.swiglu_clamp), o("shared_mid")) < REL
         for f, want in zip(quantize_q8_0(o("shared_mid")), q8(ops_A, pre, "q8.ffn_down_shexp")):
             assert np.array_equal(f, want), (pre, "q8.ffn_down_shexp")
-        assert rel_err(NUMPY.matvec_q8_0_prequant(lw.ffn_down_shexp, q8(ops_A, pre, "q8.ffn_down_shexp")),
+        assert rel(NUMPY.matvec_q8_0_prequant(lw.ffn_down_shexp, q8(ops_A, pre, "q8.ffn_down_shexp")),
                        o("shared_out")) < REL
         # sum and HC post
         assert np.array_equal((o("moe_out") + o("shared_out")).astype(np.float32), o("ffn_out"))
-        assert rel_err(hc_post(o("ffn_out"), o("after_attn_hc"), o("ffn_post"), o("ffn_comb")), o("hc_out")) < REL
+        assert rel(hc_post(o("ffn_out"), o("after_attn_hc"), o("ffn_post"), o("ffn_comb")), o("hc_out")) < REL
 
 
 @pytest.mark.parametrize("il", LAYERS)
@@ -136,7 +133,7 @@ def test_layer_ffn_one_matches_ds4c_end_to_end(il, model, ops_A, positions):
         rec = Recorder()
         out = layer_ffn_one(cfg, W.layers[il], ops_A[pre + "after_attn_hc"], token_at(ops_A, p), trace=rec)
         assert np.array_equal(rec["exp_ids"], ops_A[pre + "exp_ids"]), pre
-        assert rel_err(out, ops_A[pre + "hc_out"]) < REL, pre
+        assert rel(out, ops_A[pre + "hc_out"]) < REL, pre
         ffn_names = {k[len(pre):] for k in ops_A.files if k.startswith(pre)}
         ffn_names = {n for n in ffn_names if n.startswith(FFN_PREFIXES)}
         assert len(ffn_names) == 31 + (il >= cfg.n_hash_layer)     # + router_biased in top-k layers
@@ -146,7 +143,7 @@ def test_layer_ffn_one_matches_ds4c_end_to_end(il, model, ops_A, positions):
             if n.endswith((".qs", ".bsums")):   # chained: an int8 may flip where the input sits at a half-integer
                 assert np.abs(got.astype(int) - want).max() <= 1 and (got != want).mean() < 1e-2, (pre, n)
             else:
-                assert rel_err(got, want) < REL, (pre, n)
+                assert rel(got, want) < REL, (pre, n)
 
 
 # ---------------------------------------------------------------- router against an independent formula
@@ -163,7 +160,7 @@ def test_router_matches_independent_float64_formula(model, ops_A, positions, ora
             order = np.lexsort((np.arange(len(p64)), -(p64 + b)))[:6]         # by score desc, then id asc
             sel, w = routed_ids_weights(cfg, W.layers[il], f)
             assert np.array_equal(sel, order), (il, p)
-            assert rel_err(w, 1.5 * p64[order] / p64[order].sum()) < 1e-5
+            assert rel(w, 1.5 * p64[order] / p64[order].sum()) < 1e-5
 
 
 def routed_ids_weights(cfg, lw, f):
@@ -249,7 +246,7 @@ def test_moe_equals_dense_float_reference_within_quantization_error(model, ops_A
                 exact += D @ midq
                 g, u = G @ f.astype(np.float64), U @ f.astype(np.float64)
                 dense += w[i] * (D @ (np.minimum(g, 10) / (1 + np.exp(-np.minimum(g, 10))) * np.clip(u, -10, 10)))
-            assert rel_err(moe, exact) < 1e-5, pre
+            assert rel(moe, exact) < 1e-5, pre
             errs.append(np.sqrt(np.mean((moe - dense) ** 2) / np.mean(dense ** 2)))
     print(f"dense-reference rel RMS: min {min(errs):.2e} median {np.median(errs):.2e} max {max(errs):.2e}")
     assert max(errs) < 0.04, max(errs)
@@ -327,7 +324,7 @@ def test_force_experts_replays_given_ids(model, ops_A):
     forced = np.array([15, 14, 13, 12, 11, 10], np.int32)
     layer_ffn_one(cfg, W.layers[4], ops_A[pre + "after_attn_hc"], token_at(ops_A, 67), trace=rec, force_experts=forced)
     assert np.array_equal(rec["exp_ids"], forced)
-    assert rel_err(rec["exp_weights"], 1.5 * rec["router_probs"][forced] / rec["router_probs"][forced].sum()) < 1e-6
+    assert rel(rec["exp_weights"], 1.5 * rec["router_probs"][forced] / rec["router_probs"][forced].sum()) < 1e-6
 
 
 # ---------------------------------------------------------------- bad input
@@ -398,7 +395,7 @@ def test_routed_experts_mid_and_down_match_ds4c(model, ops_A, positions):
             mid = routed_experts_mid(lw.ffn_gate_exps, lw.ffn_up_exps, ids, wts, q8k(ops_A, pre, "q8k.ffn_gate_up_exps"),
                                      cfg.swiglu_clamp)
             assert mid.shape == (6, cfg.n_ff_exp) and mid.dtype == np.float32
-            assert rel_err(mid, ops_A[pre + "exp_mid"]) < REL, pre
+            assert rel(mid, ops_A[pre + "exp_mid"]) < REL, pre
             qs = quantize_q8_K(mid).qs.astype(int)
             assert np.abs(qs - ops_A[pre + "q8k.ffn_down_exps.qs"]).max() <= 1, pre
             midq = q8k(ops_A, pre, "q8k.ffn_down_exps")
@@ -406,7 +403,7 @@ def test_routed_experts_mid_and_down_match_ds4c(model, ops_A, positions):
             per = [NUMPY.matvec_q2_K_q8_K(lw.ffn_down_exps.expert(int(e)), q8k(ops_A, pre, "q8k.ffn_down_exps", s))
                    for s, e in enumerate(ids)]
             assert np.array_equal(moe, _sum_slots(np.stack(per))), pre
-            assert rel_err(moe, ops_A[pre + "moe_out"]) < REL, pre
+            assert rel(moe, ops_A[pre + "moe_out"]) < REL, pre
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
@@ -426,11 +423,11 @@ def test_tracing_does_not_change_moe_out(backend, model, ops_A, positions):
             assert np.array_equal(fast, traced), pre
             assert np.array_equal(rec["moe_out"], fast) and np.array_equal(_sum_slots(rec["exp_down"]), fast), pre
             assert np.array_equal(quantize_q8_K(rec["exp_mid"]).qs, rec["q8k.ffn_down_exps.qs"])
-            assert rel_err(fast, ops_A[pre + "moe_out"]) < REL, pre
+            assert rel(fast, ops_A[pre + "moe_out"]) < REL, pre
             # the record: per-expert gate/up as ds4.c's, and mid = SwiGLU(gate, up) * w up to a backend's SiLU ulp
-            assert rel_err(rec["exp_gate"], ops_A[pre + "exp_gate"]) < REL and rel_err(rec["exp_up"], ops_A[pre + "exp_up"]) < REL
+            assert rel(rec["exp_gate"], ops_A[pre + "exp_gate"]) < REL and rel(rec["exp_up"], ops_A[pre + "exp_up"]) < REL
             again = swiglu(rec["exp_gate"], rec["exp_up"], cfg.swiglu_clamp) * rec["exp_weights"][:, None]
-            assert rel_err(rec["exp_mid"], again) < 1e-6, pre
+            assert rel(rec["exp_mid"], again) < 1e-6, pre
 
 
 def test_fused_expert_ops_reject_bad_input(model, ops_A):

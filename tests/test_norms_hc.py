@@ -10,12 +10,9 @@ from ds4ref.hc import (hc_from_plain_embedding, hc_mix, hc_post, hc_pre, hc_spli
                        output_hc_head, output_hc_weights)
 from ds4ref.norms import head_rms_norm, rms_norm_no_weight, rms_norm_weight
 
+from _helpers import rel
+
 FLOAT_TOL = 1e-5  # data/oracle/README.md: float ops within 1e-5 relative
-
-
-def rel(port, ds4) -> float:
-    port, ds4 = np.asarray(port, np.float64), np.asarray(ds4, np.float64)
-    return float(np.max(np.abs(port - ds4)) / np.max(np.abs(ds4)))
 
 
 # ---------------------------------------------------------------- RMSNorm

@@ -9,7 +9,8 @@ import sys
 
 import numpy as np
 
-from ds4ref.backend import NUMPY, NumpyBackend
+from ds4ref.backend import NUMPY, BackendError, NumpyBackend
+from ds4ref.weights import f32_of
 
 BACKENDS = ("numpy", "numba", "mlx", "cupy")
 
@@ -23,12 +24,6 @@ VERIFIED: dict[tuple[str, str], str] = {
 }
 HARDWARE = {"cuda": "an NVIDIA GPU (CUDA)", "apple-gpu": "an Apple GPU (Metal)", "cpu": "CPU"}
 ACCELERATORS = (("cupy", "cuda", "CUDA"), ("mlx", "apple-gpu", "MLX's Metal path"))   # tried first, in this order
-
-
-class BackendError(ValueError):
-    """An unknown backend name, or a backend whose package or hardware is missing (the message says which).
-
-    Mirrors ds4.c: ds4_engine_open's backend check (l. 17165)"""
 
 
 def backend_status(name: str) -> tuple[bool, str]:
@@ -138,13 +133,6 @@ def get_backend(name: str = "auto", verbose: bool = True) -> NumpyBackend:
             from ds4ref.backends.cupy_backend import CupyBackend
             _INSTANCES[key] = CupyBackend()
     return _INSTANCES[key]
-
-
-def f32_of(w) -> np.ndarray:
-    """A float32 array from an array or a `Tensor` (F32/F16 weights such as norms and sinks).
-
-    Mirrors ds4.c: tensor_data (l. 1472), for F32 tensors"""
-    return np.ascontiguousarray(w.numpy() if hasattr(w, "numpy") else w, dtype=np.float32)
 
 
 def row_mask(n_rows: int, allowed=None, n_raw=None) -> np.ndarray:

@@ -35,6 +35,8 @@ def prefer_workqueue_threads() -> str:
 
 prefer_workqueue_threads()
 
+# the scalar form of ds4ref.hc.sigmoid_stable, kept as a twin: a numba kernel calls only
+# jitted functions, and this branch form is the code whose numerics the tests pin
 @njit(inline="always")
 def _sigmoid_stable(x):
     if x >= np.float32(0.0):
