@@ -40,18 +40,19 @@ def decode_bytes_per_token(cfg) -> int:
 
 
 def run_stamp() -> dict:
-    """When and on what code a result was measured: UTC date, and the git commit (None outside a checkout).
+    """When and on what code a result was measured: UTC date, git commit (None outside git).
 
     Mirrors ds4.c: nothing (benchmark harness)"""
     import datetime
     import subprocess
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, NameError):              # no git, or not run from the package (a notebook)
+        here = Path(__file__).resolve().parent
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                                capture_output=True, text=True).stdout.strip() or None
+    except (OSError, NameError):          # no git, or not run from the package (a notebook)
         commit = None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"date": now.isoformat(timespec="seconds"), "commit": commit}
 
 
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
