@@ -39,6 +39,22 @@ def decode_bytes_per_token(cfg) -> int:
     return int(total)
 
 
+def run_stamp() -> dict:
+    """When and on what code a result was measured: UTC date, git commit (None outside git).
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    import datetime
+    import subprocess
+    try:
+        here = Path(__file__).resolve().parent
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                                capture_output=True, text=True).stdout.strip() or None
+    except (OSError, NameError):          # no git, or not run from the package (a notebook)
+        commit = None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"date": now.isoformat(timespec="seconds"), "commit": commit}
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
     """GB/s of summing a `nbytes` array, median and best of `repeats`: one numpy thread, and all cores through
     numba when present. 'gbps' is the best reading of either: on a shared machine the floor is what the memory
@@ -291,7 +307,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.cuda_kernels:
         from ds4ref.backends import machine_description
-        res = {"machine": machine_description(), **bench_cuda_kernels()}
+        res = {**run_stamp(), "machine": machine_description(), **bench_cuda_kernels()}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
         print("wrote", args.out)
@@ -313,7 +329,7 @@ def main(argv=None) -> dict:
           f"{bw['numpy_1_thread_gbps']:.1f} GB/s (1 thread), medians; best {bw['gbps']:.1f} GB/s")
     rng = random.Random(4242)
     prompt = [0] + [rng.randrange(2, 1024) for _ in range(args.prompt_len - 1)]
-    results = {"machine": machine_description(), "read_bandwidth": bw, "prompt": prompt, "models": {},
+    results = {**run_stamp(), "machine": machine_description(), "read_bandwidth": bw, "prompt": prompt, "models": {},
                "ds4c_wide_decode_tok_s_2_threads": list(DS4C_WIDE_DECODE_TOK_S),
                "load_average_before": list(os.getloadavg())}
     for model in args.models.split(","):

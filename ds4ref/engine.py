@@ -305,9 +305,11 @@ class Session:
         self._valid = bool(snap.tokens)
 
     def save(self, path) -> None:
-        """Write the session's state to an .npz file (no pickles).
+        """Write the session's state (tokens, logits, cache arrays) to an .npz, no pickles.
 
-        Mirrors ds4.c: ds4_session_save_payload (l. 16132)
+        The file is ds4ref's own format ("ds4ref-session-1"), read back by `load`; it is
+        not the byte layout of ds4.c's session payload, and neither reads the other's.
+        Mirrors ds4.c: ds4_session_save_payload (l. 16132), in role only
         """
         arrays = {"tokens": np.array(self.tokens, dtype=np.int64),
                   "logits": np.zeros(0, np.float32) if self._logits is None else self._logits}
