@@ -394,7 +394,7 @@ def default_model_path() -> Path:
 
     Lives in $DS4REF_CACHE or ~/.cache/ds4ref; the name carries the writer version.
 
-    Mirrors ds4.c: none (ds4.c needs the real 80 GB GGUF)"""
+    Mirrors ds4.c: none (ds4.c needs the real 86.7 GB GGUF)"""
     cache = Path(os.environ.get("DS4REF_CACHE") or Path.home() / ".cache" / "ds4ref")
     path = cache / f"ds4ref-tiny-seed{DEFAULT_SEED}-v{WRITER_VERSION}.gguf"
     if not path.exists():
