@@ -148,6 +148,125 @@ def bench_ds4c(exe: Path, path, prompt: list[int], steps: int, threads: int) -> 
             "profile": []}
 
 
+LLAMA_GATING_KEY = "deepseek4.expert_gating_func"
+LLAMA_SQRT_SOFTPLUS = 4        # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
+
+
+def write_llama_gguf(src, dst) -> Path:
+    """Write to `dst` a copy of the ds4 GGUF `src` for llama.cpp 0c1e570: every tensor
+    and key unchanged, plus `deepseek4.expert_gating_func` = 4 (sqrt(softplus)), which
+    its deepseek4 loader reads and ds4's GGUFs do not carry (ds4.c fixes the function in
+    code); by gguf-py's `copy_with_new_metadata`.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+    from ds4ref.gguf import GGUFError
+    reader = gguf.GGUFReader(str(src), "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    if arch != "deepseek4":
+        raise GGUFError(f"{src}: general.architecture is {arch!r}, not 'deepseek4'")
+    writer = gguf.GGUFWriter(str(dst), arch=arch, endianess=reader.endianess)
+    key = MetadataDetails(gguf.GGUFValueType.UINT32, LLAMA_SQRT_SOFTPLUS)
+    copy_with_new_metadata(reader, writer, {LLAMA_GATING_KEY: key}, [])
+    return Path(dst)
+
+
+def llama_model_path(path) -> Path:
+    """The llama.cpp copy of the model at `path`: `NAME.llama.gguf` beside it (in the
+    cache dir for the wide model), written once by `write_llama_gguf`.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    path = Path(path)
+    dst = path.with_name(path.stem + ".llama.gguf")
+    if not dst.exists():
+        print(f"writing the llama.cpp copy of the model to {dst}", file=sys.stderr)
+        tmp = dst.with_suffix(".partial")
+        write_llama_gguf(path, tmp)
+        tmp.rename(dst)
+    return dst
+
+
+def llama_bench_exe(where) -> Path:
+    """The `llama-bench` binary: `where` itself, or `bin/llama-bench` in
+    tools/llama_cpp/build.sh's OUTDIR (or `llama-bench` in a build's bin folder).
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    where = Path(where)
+    if not where.is_dir():
+        return where
+    inner = where / "bin" / "llama-bench"
+    return inner if inner.exists() else where / "llama-bench"
+
+
+def llama_bench_row(tests: list, threads: int) -> dict:
+    """A row like bench_ds4c's from `llama-bench -o json`'s tests: the prompt test
+    (n_gen 0) gives the prefill, the generation test (n_prompt 0) the decode, each as
+    its mean tok/s (avg_ts); the fastest decode is the best repetition (samples_ts).
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    pp = next(t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0)
+    tg = next(t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0)
+    return {"backend": "llama.cpp", "label": f"llama.cpp {threads}t",
+            "threads": threads, "prompt_tokens": pp["n_prompt"],
+            "prefill_s": pp["n_prompt"] / pp["avg_ts"], "prefill_tok_s": pp["avg_ts"],
+            "decode_steps": tg["n_gen"], "decode_tok_s": tg["avg_ts"],
+            "decode_s_per_token_median": 1.0 / tg["avg_ts"],
+            "decode_s_per_token_min": 1.0 / max(tg["samples_ts"]), "profile": []}
+
+
+def bench_llama_cpp(exe, path, prompt_len: int, steps: int, threads: int) -> dict:
+    """Time llama.cpp on the llama.cpp copy `path` of the model (`llama_model_path`):
+    `exe` is `llama-bench` (or tools/llama_cpp/build.sh's OUTDIR), run once per call
+    with `-p prompt_len -n steps -t threads -r 1 -o json`, after its own warm-up; its
+    prompt is its own tokens, as many as ds4ref's.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    import subprocess
+    cmd = [str(llama_bench_exe(exe)), "-m", str(path), "-p", str(prompt_len),
+           "-n", str(steps), "-t", str(threads), "-r", "1", "-o", "json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return llama_bench_row(json.loads(out), threads)
+
+
+def summarize_rounds(rows: list[dict]) -> dict:
+    """One program's row over the rounds: the round with the median decode tok/s (the
+    lower middle one for an even count), plus min, median and max of decode and prefill
+    tok/s, and each round's value.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["decode_tok_s"])
+    r = dict(rows[order[(len(rows) - 1) // 2]])
+    for key in ("decode_tok_s", "prefill_tok_s"):
+        vals = [row[key] for row in rows]
+        r.update({f"{key}_min": min(vals), f"{key}_median": statistics.median(vals),
+                  f"{key}_max": max(vals), f"{key}_rounds": vals})
+    return r
+
+
+def paired_ratios(rounds: list[dict]) -> dict:
+    """ds4ref numba over ds4.c and over llama.cpp at the same thread count, paired in
+    each round: {'numba Nt / PROGRAM Nt': {'decode': [one per round], 'prefill': [...],
+    'decode_median': ..., 'prefill_median': ...}}; `rounds` holds one {label: row} each.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    out = {}
+    for label, row in rounds[0].items():
+        if row["backend"] != "numba" or "threads" not in row:
+            continue
+        for other in ("ds4.c", "llama.cpp"):
+            theirs = f"{other} {row['threads']}t"
+            if theirs not in rounds[0]:
+                continue
+            pair = {}
+            for key in ("decode", "prefill"):
+                vals = [m[label][f"{key}_tok_s"] / m[theirs][f"{key}_tok_s"]
+                        for m in rounds]
+                pair[key], pair[f"{key}_median"] = vals, statistics.median(vals)
+            out[f"{label} / {theirs}"] = pair
+    return out
+
+
 def decode_profile(session, tok: int, steps: int, top: int = 8) -> list:
     """Where a decode step's time goes: the `top` functions by own time over `steps` steps, as
     [function, share of the total]; the rest is summed as 'other'.
@@ -276,14 +395,45 @@ def bench_cuda_kernels(repeats: int = 50) -> dict:
     return out
 
 
-def add_run(model: str, entry: dict, r: dict) -> None:
-    """Record one timed row under its model (with the weight GB/s it implies) and print it.
+def add_run(model: str, entry: dict, r: dict, keep: bool = True) -> None:
+    """Record one timed row under its model (with the weight GB/s it implies) and print
+    it; with `keep` False only print it (one round of several).
 
     Mirrors ds4.c: nothing (benchmark harness)"""
     r["decode_gbps"] = entry["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
-    entry["runs"].append(r)
+    if keep:
+        entry["runs"].append(r)
     print(f"{model:8s} {r.get('label', r['backend']):9s} prefill {r['prefill_tok_s']:8.2f} tok/s  decode "
           f"{r['decode_tok_s']:8.2f} tok/s  {r['decode_gbps']:6.2f} GB/s")
+
+
+def bench_numbered(path, backend: str, prompt: list[int], steps: int, ctx: int,
+                   threads, restore: int) -> dict:
+    """`bench_backend` at numba thread count `threads` (None: not numba), labelled
+    'numba Nt', then numba set back to `restore` threads.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    if threads is None:
+        return bench_backend(path, backend, prompt, steps, ctx)
+    from numba import set_num_threads
+    set_num_threads(threads)
+    try:
+        r = bench_backend(path, backend, prompt, steps, ctx)
+    finally:
+        set_num_threads(restore)
+    r["threads"] = threads
+    r["label"] = f"numba {threads}t"
+    return r
+
+
+def print_ratios(model: str, pairs: dict) -> None:
+    """Print `paired_ratios`: each pair's ratio per round, then their median.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    for name, p in pairs.items():
+        for key in ("decode", "prefill"):
+            each = " ".join(f"{v:.2f}" for v in p[key])
+            print(f"{model:8s} {name} {key}: {each}; median {p[f'{key}_median']:.2f}x")
 
 
 def main(argv=None) -> dict:
@@ -304,6 +454,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--cuda-kernels", action="store_true", help="benchmark the CUDA matvec kernels instead")
     ap.add_argument("--ds4c", type=Path, default=None,
                     help="tools/ds4c/build.sh's OUTDIR (or its ds4c_run) for the wide model: time the real ds4.c in the same run")
+    ap.add_argument("--llama-cpp", type=Path, default=None,
+                    help="tools/llama_cpp/build.sh's OUTDIR (or llama-bench) for the "
+                         "wide model: time llama.cpp in the same run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved rounds: every row once per round, in the same "
+                         "order; rows then carry min/median/max")
     args = ap.parse_args(argv)
     if args.cuda_kernels:
         from ds4ref.backends import machine_description
@@ -321,7 +477,7 @@ def main(argv=None) -> dict:
     backends = [b for b in args.backends.split(",") if b]
     numba_threads = [None]
     if "numba" in backends and "numba" in have:        # each thread count is one row of the results
-        from numba import config, set_num_threads
+        from numba import config
         numba_threads = sorted({config.NUMBA_NUM_THREADS if t == "all" else min(int(t), config.NUMBA_NUM_THREADS)
                                 for t in args.numba_threads.split(",")}, reverse=True)
     bw = read_bandwidth()
@@ -332,30 +488,54 @@ def main(argv=None) -> dict:
     results = {**run_stamp(), "machine": machine_description(), "read_bandwidth": bw, "prompt": prompt, "models": {},
                "ds4c_wide_decode_tok_s_2_threads": list(DS4C_WIDE_DECODE_TOK_S),
                "load_average_before": list(os.getloadavg())}
+    ratios = {}
     for model in args.models.split(","):
         path = {"bundled": default_model_path, "oracle": lambda: ORACLE_MODEL,
                 "wide": lambda: wide_model_path(args.cache_dir)}[model]()
         _, cfg, _ = load_model(path)
         entry = {"path": path.name, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
                  "weight_bytes_per_token": decode_bytes_per_token(cfg), "runs": []}
+        programs = []                  # one timed row each, in this order every round
         for b in backends:
             if b not in have:
                 print(f"{model}: {b} skipped (not available)")
                 continue
             steps = args.slow_steps if (model == "wide" and b in ("numpy", "mlx")) else args.steps
             for threads in (numba_threads if b == "numba" else [None]):
-                if threads is not None:
-                    set_num_threads(threads)
-                r = bench_backend(path, b, prompt, steps, args.ctx)
-                if threads is not None:
-                    r["threads"] = threads
-                    r["label"] = f"numba {threads}t"
-                add_run(model, entry, r)
-            if b == "numba":
-                set_num_threads(max(numba_threads))
+                programs.append(lambda b=b, steps=steps, t=threads: bench_numbered(
+                    path, b, prompt, steps, args.ctx, t, max(numba_threads)))
+        all_cores = sorted({os.cpu_count() or 1, 1}, reverse=True)
         if args.ds4c is not None and model == "wide":       # the real ds4.c, side by side in this run
-            for threads in sorted({os.cpu_count() or 1, 1}, reverse=True):
-                add_run(model, entry, bench_ds4c(args.ds4c, path, prompt, args.steps, threads))
+            programs += [lambda t=t: bench_ds4c(args.ds4c, path, prompt, args.steps, t)
+                         for t in all_cores]
+        if args.llama_cpp is not None and model == "wide":   # llama.cpp, on its copy
+            copy = llama_model_path(path)
+            programs += [lambda t=t: bench_llama_cpp(args.llama_cpp, copy, len(prompt),
+                                                     args.steps, t) for t in all_cores]
+        rounds = []
+        for k in range(args.rounds):
+            if args.rounds > 1:
+                print(f"{model}: round {k + 1} of {args.rounds}")
+            measured = {}
+            for run in programs:
+                r = run()
+                add_run(model, entry, r, keep=args.rounds == 1)
+                measured[r.get("label", r["backend"])] = r
+            rounds.append(measured)
+        if args.rounds > 1 and rounds:
+            print(f"{model}: each row's median round; min / median / max of "
+                  f"{args.rounds} rounds")
+            for label in rounds[0]:
+                r = summarize_rounds([m[label] for m in rounds])
+                add_run(model, entry, r)
+                spread = {key: " / ".join(f"{r[f'{key}_tok_s_{s}']:.2f}"
+                                          for s in ("min", "median", "max"))
+                          for key in ("prefill", "decode")}
+                print(f"{'':8s} {label:9s} prefill {spread['prefill']}  "
+                      f"decode {spread['decode']}")
+        pairs = paired_ratios(rounds) if rounds else {}
+        if pairs:
+            ratios[model] = pairs
         results["models"][model] = entry
     results["load_average_after"] = list(os.getloadavg())     # other work on a shared machine shows here
     results["read_bandwidth_end"] = bw_end = read_bandwidth()
@@ -368,6 +548,10 @@ def main(argv=None) -> dict:
             r["fraction_of_floor"] = r["decode_tok_s"] / entry["floor_tok_s"]
             print(f"{model:8s} {r.get('label', r['backend']):9s} {100 * r['fraction_of_floor']:5.1f}% of the "
                   f"floor ({entry['floor_tok_s']:.1f} tok/s)")
+    for model, pairs in ratios.items():
+        print_ratios(model, pairs)
+    if ratios:
+        results["ratios"] = ratios
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -6,28 +6,21 @@
 llama.cpp 0c1e570 reads the router's gating function from `deepseek4.expert_gating_func`
 (4 = sqrt(softplus), LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS); ds4.c fixes that function in code
 and its GGUFs do not carry the key. Everything else is copied unchanged, by gguf-py's own
-copy_with_new_metadata (the gguf package, pinned in requirements.txt).
+copy_with_new_metadata (the gguf package, pinned in requirements.txt), in
+`ds4ref.bench_engine.write_llama_gguf` (the engine benchmark's `--llama-cpp` writes the same copy).
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import gguf
-from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
-
-KEY, SQRT_SOFTPLUS = "deepseek4.expert_gating_func", 4
+from ds4ref.bench_engine import LLAMA_GATING_KEY, LLAMA_SQRT_SOFTPLUS, write_llama_gguf
 
 
 def main(src: str, dst: str) -> None:
-    reader = gguf.GGUFReader(src, "r")
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    if arch != "deepseek4":
-        raise SystemExit(f"{src}: general.architecture is {arch!r}, not 'deepseek4'")
-    writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
-    new = {KEY: MetadataDetails(gguf.GGUFValueType.UINT32, SQRT_SOFTPLUS)}
-    copy_with_new_metadata(reader, writer, new, [])
-    print(f"wrote {dst} ({Path(dst).stat().st_size / 1e9:.3f} GB) with {KEY} = {SQRT_SOFTPLUS}")
+    write_llama_gguf(src, dst)
+    size = Path(dst).stat().st_size / 1e9
+    print(f"wrote {dst} ({size:.3f} GB) with {LLAMA_GATING_KEY} = {LLAMA_SQRT_SOFTPLUS}")
 
 
 if __name__ == "__main__":
