@@ -78,6 +78,16 @@ def forward_token(cfg, w, cache, token: int, pos: int, be=NUMPY, trace: Trace | 
 
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703)
     """
+    X = forward_token_hc(cfg, w, cache, token, pos, be, trace, force, steering)
+    return output_logits(cfg, w, X, be, trace.at(None, pos) if trace is not None else None)
+
+
+def forward_token_hc(cfg, w, cache, token: int, pos: int, be=NUMPY,
+                     trace: Trace | None = None, force: dict | None = None,
+                     steering=None) -> np.ndarray:
+    """forward_token up to the final HC state [n_hc, n_embd], before the output head.
+
+    Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703), its layer loop"""
     x = embed_token(w, token)
     X = hc_from_plain_embedding(x, cfg.n_hc)                              # [n_hc, n_embd]
     if trace is not None:
@@ -95,7 +105,7 @@ def forward_token(cfg, w, cache, token: int, pos: int, be=NUMPY, trace: Trace | 
                                 force_indexer=None if fi is None else fi[0], steer=s_attn)
         X = layer_ffn_one(cfg, lw, X, int(token), be, trace=hook,
                           force_experts=None if fe is None else fe[0], steer=s_ffn)
-    return output_logits(cfg, w, X, be, trace.at(None, pos) if trace is not None else None)
+    return X
 
 
 def prefill(cfg, w, cache, tokens: Sequence[int], be=NUMPY, trace: Trace | None = None,

@@ -14,7 +14,8 @@ from ds4ref.backend import NUMPY
 from ds4ref.gguf import GGMLType, GGUFError, GGUFFile
 from ds4ref.hc import hc_from_plain_embedding
 from ds4ref.kvcache import LayerCache
-from ds4ref.model import embed_token, output_logits, steering_hooks
+from ds4ref.model import (embed_token, forward_token_hc, output_logits,
+                           steering_hooks)
 from ds4ref.moe import layer_ffn_batch, layer_ffn_one
 from ds4ref.norms import rms_norm_weight
 from ds4ref.sample import sample_argmax
@@ -168,12 +169,7 @@ def decode_rows(cfg, w, cache, tokens, pos0: int, be=NUMPY, steering=None, stop=
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703), in a loop"""
     logits, states = [], []
     for i, t in enumerate(tokens):
-        X = hc_from_plain_embedding(embed_token(w, int(t)), cfg.n_hc)   # [n_hc, n_embd]
-        for il, lw in enumerate(w.layers):
-            s_attn, s_ffn = steering_hooks(steering, il)
-            X = layer_attention_one(cfg, lw, cache.layers[il], X, pos0 + i, be,
-                                    steer=s_attn)
-            X = layer_ffn_one(cfg, lw, X, int(t), be, steer=s_ffn)
+        X = forward_token_hc(cfg, w, cache, int(t), pos0 + i, be, steering=steering)
         logits.append(output_logits(cfg, w, X, be))
         states.append(X)
         if stop is not None and stop(i, logits[-1]):
