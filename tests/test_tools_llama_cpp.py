@@ -129,3 +129,59 @@ def test_main_interleaves_rounds_and_stores_the_ratios(tmp_path, monkeypatch):
     assert runs[0]["decode_tok_s_rounds"] == [11.0, 16.0]
     pair = json.loads(out.read_text())["ratios"]["wide"]["numba 2t / llama.cpp 2t"]
     assert pair["decode"] == [11.0 / 14.0, 16.0 / 19.0] and pair["prefill"] == [1.0, 1.0]
+
+
+def _tool(name):
+    import importlib.util
+    import sys
+    path = Path(__file__).resolve().parents[1] / "tools" / "llama_cpp" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"llama_cpp_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_mtp_for_llama_writes_llamas_nextn_layout(tmp_path):
+    """The bundled model's MTP GGUF as llama.cpp's MTP-only deepseek4 file: one appended block
+    (block_count 7, nextn_predict_layers 1, a 7th ratio / clamp entry), no trunk layer, the block's
+    tensors under blk.6, eh_proj = e_proj and h_proj side by side, the HC head and head norm the
+    block's, embedding and LM head the target's."""
+    from ds4ref.writer import default_model_path, default_mtp_path
+    tool = _tool("mtp_for_llama")
+    dst = tool.write_mtp_for_llama(default_model_path(), default_mtp_path(), tmp_path / "m.gguf")
+    r, main, mtp = (gguf.GGUFReader(str(p)) for p in (dst, default_model_path(), default_mtp_path()))
+    val = lambda k: r.get_field(k).contents()
+    assert val("deepseek4.block_count") == 7 and val("deepseek4.nextn_predict_layers") == 1
+    assert val("deepseek4.attention.compress_ratios") == [0, 0, 4, 128, 4, 128, 0]
+    assert val("deepseek4.swiglu_clamp_exp") == [10.0] * 7 and val(LLAMA_GATING_KEY) == 4
+    assert val("tokenizer.ggml.tokens") == main.get_field("tokenizer.ggml.tokens").contents()
+    t = {x.name: x for x in r.tensors}
+    src = {x.name: x for x in main.tensors} | {x.name: x for x in mtp.tensors}
+    assert not any(n.startswith(("blk.0.", "blk.5.", "mtp.")) for n in t)
+    assert len(t) == 3 + 32 - 1                            # e_proj + h_proj -> one eh_proj
+    same = {"token_embd.weight": "token_embd.weight", "output.weight": "output.weight",
+            "output_hc_fn.weight": "mtp.0.hc_head_fn.weight",
+            "blk.6.nextn.shared_head_norm.weight": "mtp.0.norm.weight",
+            "blk.6.nextn.hnorm.weight": "mtp.0.hnorm.weight",
+            "blk.6.exp_probs_b.bias": "mtp.0.exp_probs_b.bias",
+            "blk.6.ffn_down_exps.weight": "mtp.0.ffn_down_exps.weight"}
+    for ours, theirs in same.items():
+        assert t[ours].tensor_type == src[theirs].tensor_type, ours
+        assert np.array_equal(t[ours].data, src[theirs].data), ours
+    eh = t["blk.6.nextn.eh_proj.weight"]
+    assert [int(n) for n in eh.shape] == [512, 256] and eh.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    e, h = src["mtp.0.e_proj.weight"].data, src["mtp.0.h_proj.weight"].data
+    assert np.array_equal(eh.data[:, :e.shape[1]], e) and np.array_equal(eh.data[:, e.shape[1]:], h)
+
+
+def test_read_dump_reads_the_drivers_records(tmp_path):
+    """mtp_crosscheck.read_dump: 64-byte name, four int64 dims (ggml order), float32 data."""
+    tool = _tool("mtp_crosscheck")
+    a = np.arange(6, dtype="<f4").reshape(2, 3)
+    rec = lambda n, x, ne: n.encode().ljust(64, b"\0") + np.array(ne, "<i8").tobytes() + x.tobytes()
+    (tmp_path / "d").write_bytes(rec("kv-6", a, [3, 2, 1, 1]) + rec("kv-6", a + 1, [3, 2, 1, 1])
+                                 + rec("q", a[0], [3, 1, 1, 1]))
+    got = tool.read_dump(tmp_path / "d")
+    assert set(got) == {"kv-6", "q"} and np.array_equal(got["kv-6"], a)     # the first of a name
+    assert np.array_equal(got["q"], a[0])
