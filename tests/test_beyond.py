@@ -449,15 +449,17 @@ def test_build_direction_cli_and_steering_flags(tmp_path, capsys):
     assert "directional steering needs steering_file" in capsys.readouterr().err
 
 
-# ----------------------------------------------------- MTP against llama.cpp (data/llama_cpp)
+# ------------------------------------------ MTP against llama.cpp (data/llama_cpp)
 
 def _llama_mtp():
     from pathlib import Path
-    return np.load(Path(__file__).resolve().parents[1] / "data" / "llama_cpp" / "mtp_tiny_seed7.npz")
+    data = Path(__file__).resolve().parents[1] / "data" / "llama_cpp"
+    return np.load(data / "mtp_tiny_seed7.npz")
 
 
 def _ds4ref_mtp_steps(rec):
-    """mtp_draft_step on the recorded inputs, one MTP cache: logits [N, V], outputs [N, 4, E]."""
+    """mtp_draft_step on the recorded inputs, one MTP cache: logits [N, V], outputs
+    [N, 4, E]."""
     from ds4ref.kvcache import LayerCache
     from ds4ref.mtp import MTP_IL, mtp_draft_step
     from ds4ref.writer import WRITER_VERSION
@@ -470,10 +472,11 @@ def _ds4ref_mtp_steps(rec):
 
 
 def test_mtp_draft_step_against_llama_cpp():
-    """ds4ref's MTP block against llama.cpp's (0c1e570, CPU, recorded by tools/llama_cpp/
-    mtp_crosscheck.py): same inputs at every step. Logits and block output within 5e-2 relative
-    (seen: 1.8e-2; FP8 KV rounding in ds4.c, F16 activation scales in ggml), the drafted token
-    the same wherever llama.cpp's top-2 margin exceeds the step's max |difference|."""
+    """ds4ref's MTP block against llama.cpp's (0c1e570, CPU, recorded by
+    tools/llama_cpp/mtp_crosscheck.py): same inputs at every step. Logits and block output
+    within 5e-2 relative (seen: 1.8e-2; FP8 KV rounding in ds4.c, F16 activation scales in
+    ggml), the drafted token the same wherever llama.cpp's top-2 margin exceeds the step's
+    max |difference|."""
     from ds4ref.checks import rel
     rec = _llama_mtp()
     _, logits, hc = _ds4ref_mtp_steps(rec)
@@ -486,14 +489,14 @@ def test_mtp_draft_step_against_llama_cpp():
         if top[1] - top[0] > np.abs(logits[i] - lg[i]).max():
             assert int(np.argmax(logits[i])) == int(np.argmax(lg[i])), i
     assert (logits.argmax(1) == lg.argmax(1)).sum() >= 17
-    # the chained steps fed llama.cpp ds4ref's own drafts: each is the previous step's argmax
+    # the chained steps fed llama.cpp ds4ref's own drafts: each the previous step's argmax
     assert list(rec["tokens"][15:]) == list(logits.argmax(1)[14:18])
 
 
 def test_mtp_stages_against_llama_cpp():
-    """Step 0 stage by stage, each ds4ref stage on llama.cpp's own input to it: input, HC pre,
-    head within 1e-3; attention heads within 1e-3 of llama.cpp once the KV row skips ds4.c's FP8
-    rounding (with it: ~3e-2, the known difference), the FFN half within 2e-3."""
+    """Step 0 stage by stage, each ds4ref stage on llama.cpp's own input to it: input, HC
+    pre, head within 1e-3; attention heads within 1e-3 of llama.cpp once the KV row skips
+    ds4.c's FP8 rounding (with it: ~3e-2, the known difference), the FFN half within 2e-3."""
     from ds4ref.attention import attention_rows
     from ds4ref.checks import rel
     from ds4ref.hc import hc_pre
@@ -506,7 +509,8 @@ def test_mtp_stages_against_llama_cpp():
     s = {k[6:]: rec[k] for k in rec.files if k.startswith("stage_")}
     tok, h = int(rec["tokens"][0]), rec["h_in"][0]
     assert rel(mtp_input_hc(cfg, w, m, tok, h), s["input"]) < 1e-3
-    x, _, _ = hc_pre(s["input"], m.block.hc_attn_fn, m.block.hc_attn_scale, m.block.hc_attn_base, cfg)
+    b = m.block
+    x, _, _ = hc_pre(s["input"], b.hc_attn_fn, b.hc_attn_scale, b.hc_attn_base, cfg)
     assert rel(x, s["attn_x"]) < 1e-3
     q, kv, sinks = s["q_rope"], s["kv_rope"], m.block.attn_sinks
     assert rel(attention_rows(q, f16_round(kv)[None], sinks), s["heads"]) < 1e-3
