@@ -12,7 +12,8 @@ def _mb(n: int) -> str:
 
 
 def model_summary(path) -> str:
-    """A text summary of a DS4 GGUF: shape, layer schedule, tensor count and bytes per type.
+    """A text summary of a DS4 GGUF: shape, layer schedule, tensor count and bytes per
+    type.
 
     Loads and validates the model first. Mirrors ds4.c: model_summary (l. 1249)"""
     g, cfg, w = load_model(path)
@@ -24,19 +25,26 @@ def model_summary(path) -> str:
         total = sum(b for _, b in per_type.values())
         ratios = cfg.compress_ratios
         lines = [
-            f"model:   {g.metadata.get('general.name', '?')} ({g.metadata.get('general.architecture', '?')}), "
-            f"GGUF v{g.version}, {len(g.metadata)} metadata keys, {len(g.tensors)} tensors",
+            f"model:   {g.metadata.get('general.name', '?')} "
+            f"({g.metadata.get('general.architecture', '?')}), GGUF v{g.version}, "
+            f"{len(g.metadata)} metadata keys, {len(g.tensors)} tensors",
             f"shape:   {cfg.n_layer} layers, n_embd {cfg.n_embd}, vocab {cfg.n_vocab}, "
-            f"{cfg.n_head} heads x {cfg.head_dim} (1 shared KV head), rope on the last {cfg.n_rot} dims",
-            f"         q/o low rank {cfg.n_lora_q}/{cfg.n_lora_o}, {cfg.n_out_group} output groups, "
+            f"{cfg.n_head} heads x {cfg.head_dim} (1 shared KV head), rope "
+            f"on the last {cfg.n_rot} dims",
+            f"         q/o low rank {cfg.n_lora_q}/{cfg.n_lora_o}, "
+            f"{cfg.n_out_group} output groups, "
             f"{cfg.n_hc} HC streams, sliding window {cfg.n_swa}",
-            f"experts: {cfg.n_expert} routed ({cfg.n_expert_used} per token, hidden {cfg.n_ff_exp}) + "
-            f"{cfg.n_expert_shared} shared; hash routing on layers 0-{cfg.n_hash_layer - 1}",
-            f"layers:  compress ratios {list(ratios)}; indexer ({cfg.n_indexer_head} heads x "
+            f"experts: {cfg.n_expert} routed ({cfg.n_expert_used} per token, hidden "
+            f"{cfg.n_ff_exp}) + {cfg.n_expert_shared} shared; hash routing on layers "
+            f"0-{cfg.n_hash_layer - 1}",
+            f"layers:  compress ratios {list(ratios)}; indexer "
+            f"({cfg.n_indexer_head} heads x "
             f"{cfg.indexer_head_dim}, top {cfg.indexer_top_k}) on layers "
             f"{[i for i, r in enumerate(ratios) if r == 4]}",
             f"bytes per type ({_mb(total)} of tensor data, file {_mb(g.size)}):",
         ]
         for name, (n, b) in sorted(per_type.items(), key=lambda kv: -kv[1][1]):
-            lines.append(f"  {name:8s} {n:5d} tensors {_mb(b):>14s} {100 * b / total:6.2f} %")
+            lines.append(
+                f"  {name:8s} {n:5d} tensors {_mb(b):>14s} {100 * b / total:6.2f} %"
+            )
         return "\n".join(lines)

@@ -10,7 +10,8 @@ from ds4ref.gguf import GGUFError, GGUFValueType as V
 
 ARCH = "deepseek4"
 
-# ModelConfig field -> metadata key (after "deepseek4."), all UINT32 in ds4.c's config_validate_model
+# ModelConfig field -> metadata key (after "deepseek4."), all UINT32 in ds4.c's
+# config_validate_model
 U32_KEYS = {
     "n_layer": "block_count",
     "n_embd": "embedding_length",
@@ -61,18 +62,22 @@ def layer_compress_ratio(il: int) -> int:
 
 
 def expect_f32(name: str, got: float, expected: float) -> None:
-    """Accept got if |got - expected| <= 1e-6 * max(1, |expected|), in float32 as ds4.c computes it.
+    """Accept got if |got - expected| <= 1e-6 * max(1, |expected|), in float32 as ds4.c
+    computes it.
 
     Mirrors ds4.c: config_expect_f32 (l. 2543)"""
     g, e = np.float32(got), np.float32(expected)
     scale = max(np.float32(1.0), abs(e))
     if not abs(g - e) <= scale * np.float32(1e-6):
-        raise GGUFError(f"metadata key '{ARCH}.{name}': expected {float(e):.9g}, got {float(g):.9g}")
+        raise GGUFError(
+            f"metadata key '{ARCH}.{name}': expected {float(e):.9g}, got {float(g):.9g}"
+        )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The DS4 shape and constants, read from `deepseek4.*` metadata and checked for consistency.
+    """The DS4 shape and constants, read from `deepseek4.*` metadata and checked for
+    consistency.
 
     Mirrors ds4.c: config_validate_model (l. 2564)"""
     n_layer: int
@@ -110,9 +115,12 @@ class ModelConfig:
     swiglu_clamp: float = SWIGLU_CLAMP
 
     def __post_init__(self):
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        object.__setattr__(
+            self, "compress_ratios", tuple(int(r) for r in self.compress_ratios)
+        )
         self.check()
-        # like ds4.c, compute with the constants themselves once the file's values passed the check
+        # like ds4.c, compute with the constants themselves once the file's values
+        # passed the check
         for f, (_, want) in F32_KEYS.items():
             object.__setattr__(self, f, want)
         object.__setattr__(self, "swiglu_clamp", SWIGLU_CLAMP)
@@ -140,79 +148,170 @@ class ModelConfig:
     def compress_ratio(self, il: int) -> int:
         """Compress ratio of layer il (0, 4 or 128)."""
         if not 0 <= il < self.n_layer:
-            raise GGUFError(f"layer index {il} is outside the model's {self.n_layer} layers")
+            raise GGUFError(
+                f"layer index {il} is outside the model's {self.n_layer} layers"
+            )
         return self.compress_ratios[il]
 
     def check(self) -> None:
         """Raise GGUFError naming the key if the shape cannot be a DS4 model.
 
-        ds4.c compares every value with its compiled-in shape; we keep the checks that hold
-        for any shape. Mirrors ds4.c: config_validate_model (l. 2564)"""
+        ds4.c compares every value with its compiled-in shape; we keep the checks that
+        hold for any shape.
+        Mirrors ds4.c: config_validate_model (l. 2564)"""
         def bad(field, why):
             key = U32_KEYS.get(field, field)
             raise GGUFError(f"metadata key '{ARCH}.{key}': {why}")
 
         for f in U32_KEYS:
             v = getattr(self, f)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 0 < v < 2**32:
+            if (
+                not isinstance(v, (int, np.integer))
+                or isinstance(v, bool)
+                or not 0 < v < 2**32
+            ):
                 bad(f, f"expected a positive 32-bit integer, got {v!r}")
         if self.n_head_kv != 1:
             bad("n_head_kv", f"ds4 has one shared KV head, got {self.n_head_kv}")
         if self.value_dim != self.head_dim:
-            bad("value_dim", f"the KV row is key and value, so value_length must equal key_length "
-                             f"({self.head_dim}), got {self.value_dim}")
+            bad(
+                "value_dim",
+                "the KV row is key and value, so value_length must equal key_length "
+                f"({self.head_dim}), got {self.value_dim}",
+            )
         if self.n_expert_shared != 1:
-            bad("n_expert_shared", f"ds4 has exactly one shared expert, got {self.n_expert_shared}")
+            bad(
+                "n_expert_shared",
+                f"ds4 has exactly one shared expert, got {self.n_expert_shared}",
+            )
         if self.indexer_head_dim != 128:
-            bad("indexer_head_dim", f"the indexer's Hadamard-128 QAT needs 128, got {self.indexer_head_dim}")
+            bad(
+                "indexer_head_dim",
+                "the indexer's Hadamard-128 QAT needs 128, got "
+                f"{self.indexer_head_dim}",
+            )
         if self.head_dim == self.indexer_head_dim:
-            bad("head_dim", "must differ from the indexer key length (the compressor tells its two lanes "
-                            "apart by width)")
-        if self.n_rot % 2 or self.n_rot > self.indexer_head_dim or (self.head_dim - self.n_rot) % 64:
-            bad("n_rot", f"{self.n_rot} must be even, at most {self.indexer_head_dim}, and leave a multiple "
-                         f"of 64 un-rotated dims of {self.head_dim} (FP8 blocks)")
+            bad(
+                "head_dim",
+                "must differ from the indexer key length (the compressor tells its "
+                "two lanes apart by width)",
+            )
+        if (
+            self.n_rot % 2
+            or self.n_rot > self.indexer_head_dim
+            or (self.head_dim - self.n_rot) % 64
+        ):
+            bad(
+                "n_rot",
+                f"{self.n_rot} must be even, at most {self.indexer_head_dim}, "
+                "and leave a multiple "
+                f"of 64 un-rotated dims of {self.head_dim} (FP8 blocks)",
+            )
         if self.n_head % self.n_out_group:
-            bad("n_out_group", f"{self.n_out_group} groups do not divide {self.n_head} heads")
+            bad(
+                "n_out_group",
+                f"{self.n_out_group} groups do not divide {self.n_head} heads",
+            )
         if self.n_expert_used > self.n_expert:
-            bad("n_expert_used", f"{self.n_expert_used} used experts out of {self.n_expert}")
-        for f, block in (("n_embd", QK_K), ("n_ff_exp", QK_K), ("n_lora_q", 32), ("head_dim", 32),
-                         ("n_lora_o", 32)):
+            bad(
+                "n_expert_used",
+                f"{self.n_expert_used} used experts out of {self.n_expert}",
+            )
+        for f, block in (
+            ("n_embd", QK_K),
+            ("n_ff_exp", QK_K),
+            ("n_lora_q", 32),
+            ("head_dim", 32),
+            ("n_lora_o", 32),
+        ):
             if getattr(self, f) % block:
-                bad(f, f"{getattr(self, f)} is not a multiple of {block} (quant blocks)")
+                bad(
+                    f, f"{getattr(self, f)} is not a multiple of {block} (quant blocks)"
+                )
         if len(self.compress_ratios) != self.n_layer:
-            bad("attention.compress_ratios", f"{len(self.compress_ratios)} ratios for {self.n_layer} layers")
+            bad(
+                "attention.compress_ratios",
+                f"{len(self.compress_ratios)} ratios for {self.n_layer} layers",
+            )
         for il, r in enumerate(self.compress_ratios):
             if r != layer_compress_ratio(il):
-                bad("attention.compress_ratios",
-                    f"layer {il} has ratio {r}, ds4 requires {layer_compress_ratio(il)}")
+                bad(
+                    "attention.compress_ratios",
+                    f"layer {il} has ratio {r}, ds4 requires "
+                    f"{layer_compress_ratio(il)}",
+                )
         for f, (key, want) in F32_KEYS.items():
             expect_f32(key, getattr(self, f), want)
         expect_f32("swiglu_clamp_exp", self.swiglu_clamp, SWIGLU_CLAMP)
         if self.rope_orig_ctx != ROPE_ORIG_CTX:
-            bad("rope.scaling.original_context_length", f"expected {ROPE_ORIG_CTX}, got {self.rope_orig_ctx}")
+            bad(
+                "rope.scaling.original_context_length",
+                f"expected {ROPE_ORIG_CTX}, got {self.rope_orig_ctx}",
+            )
 
     # -- the two shapes of this book
     @classmethod
     def real(cls) -> "ModelConfig":
         """DeepSeek V4 Flash as ds4.c compiles it (the enum at ds4.c l. 86-109)."""
-        return cls(n_layer=43, n_embd=4096, n_vocab=129280, n_head=64, n_head_kv=1, head_dim=512,
-                   value_dim=512, n_rot=64, n_lora_q=1024, n_lora_o=1024, n_out_group=8, n_expert=256,
-                   n_expert_used=6, n_ff_exp=2048, n_expert_shared=1, n_hash_layer=3, n_swa=128,
-                   n_indexer_head=64, indexer_head_dim=128, indexer_top_k=512, n_hc=4, hc_sinkhorn_iter=20,
-                   compress_ratios=tuple(layer_compress_ratio(i) for i in range(43)))
+        return cls(
+            n_layer=43,
+            n_embd=4096,
+            n_vocab=129280,
+            n_head=64,
+            n_head_kv=1,
+            head_dim=512,
+            value_dim=512,
+            n_rot=64,
+            n_lora_q=1024,
+            n_lora_o=1024,
+            n_out_group=8,
+            n_expert=256,
+            n_expert_used=6,
+            n_ff_exp=2048,
+            n_expert_shared=1,
+            n_hash_layer=3,
+            n_swa=128,
+            n_indexer_head=64,
+            indexer_head_dim=128,
+            indexer_top_k=512,
+            n_hc=4,
+            hc_sinkhorn_iter=20,
+            compress_ratios=tuple(layer_compress_ratio(i) for i in range(43)),
+        )
 
     @classmethod
     def tiny(cls) -> "ModelConfig":
         """The tiny shape the ds4.c oracle was recorded on (data/oracle/README.md)."""
-        return cls(n_layer=6, n_embd=256, n_vocab=1024, n_head=8, n_head_kv=1, head_dim=256,
-                   value_dim=256, n_rot=64, n_lora_q=64, n_lora_o=64, n_out_group=4, n_expert=16,
-                   n_expert_used=6, n_ff_exp=256, n_expert_shared=1, n_hash_layer=3, n_swa=128,
-                   n_indexer_head=8, indexer_head_dim=128, indexer_top_k=16, n_hc=4, hc_sinkhorn_iter=20,
-                   compress_ratios=tuple(layer_compress_ratio(i) for i in range(6)))
+        return cls(
+            n_layer=6,
+            n_embd=256,
+            n_vocab=1024,
+            n_head=8,
+            n_head_kv=1,
+            head_dim=256,
+            value_dim=256,
+            n_rot=64,
+            n_lora_q=64,
+            n_lora_o=64,
+            n_out_group=4,
+            n_expert=16,
+            n_expert_used=6,
+            n_ff_exp=256,
+            n_expert_shared=1,
+            n_hash_layer=3,
+            n_swa=128,
+            n_indexer_head=8,
+            indexer_head_dim=128,
+            indexer_top_k=16,
+            n_hc=4,
+            hc_sinkhorn_iter=20,
+            compress_ratios=tuple(layer_compress_ratio(i) for i in range(6)),
+        )
 
     @classmethod
     def wide(cls) -> "ModelConfig":
-        """Real widths with 2 layers and a 1024-token vocab: the benchmark model (about 4 GB)."""
+        """Real widths with 2 layers and a 1024-token vocab: the benchmark model (about
+        4 GB)."""
         return replace(cls.real(), n_layer=2, n_vocab=1024, compress_ratios=(0, 0))
 
     # -- reading and writing metadata (functions below)
@@ -229,43 +328,73 @@ class ModelConfig:
 
 
 def _get(md: dict, types: dict | None, key: str, allowed: tuple):
-    """md['deepseek4.' + key], checking its GGUF type against `allowed` (a tuple of type tuples)."""
+    """md['deepseek4.' + key], checking its GGUF type against `allowed` (a tuple of type
+    tuples)."""
     full = f"{ARCH}.{key}"
     if full not in md:
         raise GGUFError(f"metadata key '{full}': required key is missing")
     if types is not None and types[full] not in allowed:
         want = " or ".join("/".join(x.name for x in t) for t in allowed)
-        raise GGUFError(f"metadata key '{full}': expected type {want}, got {'/'.join(x.name for x in types[full])}")
+        raise GGUFError(
+            f"metadata key '{full}': expected type {want}, got "
+            f"{'/'.join(x.name for x in types[full])}"
+        )
     return md[full]
 
 
 def config_from_metadata(md: dict, types: dict | None = None) -> ModelConfig:
-    """Read and check a ModelConfig from GGUF metadata (types: key -> GGUF type tuple, as GGUFFile has).
+    """Read and check a ModelConfig from GGUF metadata (types: key -> GGUF type tuple,
+    as GGUFFile has).
 
-    Also validate_compress_ratio_metadata (l. 2474) and validate_swiglu_clamp_metadata (l. 2510).
+    Also validate_compress_ratio_metadata (l. 2474) and
+    validate_swiglu_clamp_metadata (l. 2510).
     Mirrors ds4.c: config_validate_model (l. 2564)"""
     U32, F32 = ((V.UINT32,),), ((V.FLOAT32,), (V.FLOAT64,), (V.UINT32,), (V.INT32,))
     kw = {f: _get(md, types, key, U32) for f, key in U32_KEYS.items()}
-    for key in ("expert_group_count", "expert_group_used_count"):   # optional, must be 0
+    for key in ("expert_group_count", "expert_group_used_count"):  # optional, must be 0
         if f"{ARCH}.{key}" in md and _get(md, types, key, U32) != 0:
-            raise GGUFError(f"metadata key '{ARCH}.{key}': expected 0 (no expert groups), "
-                            f"got {md[f'{ARCH}.{key}']}")
+            raise GGUFError(
+                f"metadata key '{ARCH}.{key}': expected 0 (no expert groups), "
+                f"got {md[f'{ARCH}.{key}']}"
+            )
     for f, (key, _) in F32_KEYS.items():
         kw[f] = float(_get(md, types, key, F32))
-    kw["rope_orig_ctx"] = _get(md, types, "rope.scaling.original_context_length", ((V.UINT32,), (V.UINT64,)))
+    kw["rope_orig_ctx"] = _get(
+        md, types, "rope.scaling.original_context_length", ((V.UINT32,), (V.UINT64,))
+    )
     if _get(md, types, "expert_weights_norm", ((V.BOOL,),)) is not True:
-        raise GGUFError(f"metadata key '{ARCH}.expert_weights_norm': expected true, got false")
+        raise GGUFError(
+            f"metadata key '{ARCH}.expert_weights_norm': expected true, got false"
+        )
 
     n = kw["n_layer"]
-    ratios = _get(md, types, "attention.compress_ratios", ((V.ARRAY, V.UINT32), (V.ARRAY, V.INT32)))
-    clamp = _get(md, types, "swiglu_clamp_exp", ((V.ARRAY, V.FLOAT32), (V.ARRAY, V.FLOAT64)))
-    for key, arr in (("attention.compress_ratios", ratios), ("swiglu_clamp_exp", clamp)):
+    ratios = _get(
+        md,
+        types,
+        "attention.compress_ratios",
+        ((V.ARRAY, V.UINT32), (V.ARRAY, V.INT32)),
+    )
+    clamp = _get(
+        md, types, "swiglu_clamp_exp", ((V.ARRAY, V.FLOAT32), (V.ARRAY, V.FLOAT64))
+    )
+    for key, arr in (
+        ("attention.compress_ratios", ratios),
+        ("swiglu_clamp_exp", clamp),
+    ):
         if not isinstance(arr, list) or any(isinstance(x, (list, str)) for x in arr):
-            raise GGUFError(f"metadata key '{ARCH}.{key}': expected a flat array of numbers")
+            raise GGUFError(
+                f"metadata key '{ARCH}.{key}': expected a flat array of numbers"
+            )
         if len(arr) < n:
-            raise GGUFError(f"metadata key '{ARCH}.{key}': {len(arr)} entries, shorter than the {n} layers")
+            raise GGUFError(
+                f"metadata key '{ARCH}.{key}': {len(arr)} entries, shorter than "
+                f"the {n} layers"
+            )
     if any(r < 0 for r in ratios[:n]):
-        raise GGUFError(f"metadata key '{ARCH}.attention.compress_ratios': contains a negative value")
+        raise GGUFError(
+            f"metadata key '{ARCH}.attention.compress_ratios': contains a "
+            "negative value"
+        )
     for il, c in enumerate(clamp[:n]):
         expect_f32(f"swiglu_clamp_exp[{il}]", c, SWIGLU_CLAMP)
     kw["compress_ratios"] = tuple(int(r) for r in ratios[:n])
@@ -274,13 +403,33 @@ def config_from_metadata(md: dict, types: dict | None = None) -> ModelConfig:
 
 
 def config_to_metadata(cfg: ModelConfig) -> list[tuple[str, tuple, object]]:
-    """The `deepseek4.*` keys that describe cfg, as (key, GGUF type tuple, value), in ds4.c's order.
+    """The `deepseek4.*` keys that describe cfg, as (key, GGUF type tuple, value), in
+    ds4.c's order.
 
     Mirrors ds4.c: config_validate_model (l. 2564)"""
-    out = [(f"{ARCH}.{key}", (V.UINT32,), getattr(cfg, f)) for f, key in U32_KEYS.items()]
-    out.append((f"{ARCH}.rope.scaling.original_context_length", (V.UINT32,), cfg.rope_orig_ctx))
-    out += [(f"{ARCH}.{key}", (V.FLOAT32,), getattr(cfg, f)) for f, (key, _) in F32_KEYS.items()]
+    out = [
+        (f"{ARCH}.{key}", (V.UINT32,), getattr(cfg, f)) for f, key in U32_KEYS.items()
+    ]
+    out.append(
+        (f"{ARCH}.rope.scaling.original_context_length", (V.UINT32,), cfg.rope_orig_ctx)
+    )
+    out += [
+        (f"{ARCH}.{key}", (V.FLOAT32,), getattr(cfg, f))
+        for f, (key, _) in F32_KEYS.items()
+    ]
     out.append((f"{ARCH}.expert_weights_norm", (V.BOOL,), True))
-    out.append((f"{ARCH}.attention.compress_ratios", (V.ARRAY, V.UINT32), list(cfg.compress_ratios)))
-    out.append((f"{ARCH}.swiglu_clamp_exp", (V.ARRAY, V.FLOAT32), [cfg.swiglu_clamp] * cfg.n_layer))
+    out.append(
+        (
+            f"{ARCH}.attention.compress_ratios",
+            (V.ARRAY, V.UINT32),
+            list(cfg.compress_ratios),
+        )
+    )
+    out.append(
+        (
+            f"{ARCH}.swiglu_clamp_exp",
+            (V.ARRAY, V.FLOAT32),
+            [cfg.swiglu_clamp] * cfg.n_layer,
+        )
+    )
     return out

@@ -18,11 +18,13 @@ class DS4RefError(Exception):
 
 
 class GGUFError(DS4RefError, ValueError):
-    """A GGUF file, or the DS4 model in it, is malformed; the message names the key or tensor."""
+    """A GGUF file, or the DS4 model in it, is malformed; the message names the key or
+    tensor."""
 
 
 class GGMLType(IntEnum):
-    """ggml tensor type ids as stored in a GGUF tensor directory. Mirrors ds4.c: gguf_types (l. 856)"""
+    """ggml tensor type ids as stored in a GGUF tensor directory.
+    Mirrors ds4.c: gguf_types (l. 856)"""
     F32 = 0
     F16 = 1
     Q4_0 = 2
@@ -56,19 +58,41 @@ class GGMLType(IntEnum):
 
 # (elements per block, bytes per block), ggml's block sizes as data.
 GGML_BLOCK = {
-    GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.BF16: (1, 2),
-    GGMLType.I8: (1, 1), GGMLType.I16: (1, 2), GGMLType.I32: (1, 4), GGMLType.I64: (1, 8), GGMLType.F64: (1, 8),
-    GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24),
-    GGMLType.Q8_0: (32, 34), GGMLType.Q8_1: (32, 40), GGMLType.IQ4_NL: (32, 18),
-    GGMLType.Q2_K: (256, 84), GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176),
-    GGMLType.Q6_K: (256, 210), GGMLType.Q8_K: (256, 292),
-    GGMLType.IQ2_XXS: (256, 66), GGMLType.IQ2_XS: (256, 74), GGMLType.IQ3_XXS: (256, 98), GGMLType.IQ1_S: (256, 50),
-    GGMLType.IQ3_S: (256, 110), GGMLType.IQ2_S: (256, 82), GGMLType.IQ4_XS: (256, 136), GGMLType.IQ1_M: (256, 56),
+    GGMLType.F32: (1, 4),
+    GGMLType.F16: (1, 2),
+    GGMLType.BF16: (1, 2),
+    GGMLType.I8: (1, 1),
+    GGMLType.I16: (1, 2),
+    GGMLType.I32: (1, 4),
+    GGMLType.I64: (1, 8),
+    GGMLType.F64: (1, 8),
+    GGMLType.Q4_0: (32, 18),
+    GGMLType.Q4_1: (32, 20),
+    GGMLType.Q5_0: (32, 22),
+    GGMLType.Q5_1: (32, 24),
+    GGMLType.Q8_0: (32, 34),
+    GGMLType.Q8_1: (32, 40),
+    GGMLType.IQ4_NL: (32, 18),
+    GGMLType.Q2_K: (256, 84),
+    GGMLType.Q3_K: (256, 110),
+    GGMLType.Q4_K: (256, 144),
+    GGMLType.Q5_K: (256, 176),
+    GGMLType.Q6_K: (256, 210),
+    GGMLType.Q8_K: (256, 292),
+    GGMLType.IQ2_XXS: (256, 66),
+    GGMLType.IQ2_XS: (256, 74),
+    GGMLType.IQ3_XXS: (256, 98),
+    GGMLType.IQ1_S: (256, 50),
+    GGMLType.IQ3_S: (256, 110),
+    GGMLType.IQ2_S: (256, 82),
+    GGMLType.IQ4_XS: (256, 136),
+    GGMLType.IQ1_M: (256, 56),
 }
 
 
 def type_nbytes(ggml_type: int, n_elements: int) -> int:
-    """Bytes that n_elements of ggml_type occupy (n_elements a whole number of blocks). Mirrors ds4.c: tensor_nbytes (l. 1003)"""
+    """Bytes that n_elements of ggml_type occupy (n_elements a whole number of blocks).
+    Mirrors ds4.c: tensor_nbytes (l. 1003)"""
     per_block, block_bytes = GGML_BLOCK[GGMLType(ggml_type)]
     return n_elements // per_block * block_bytes
 
@@ -108,15 +132,18 @@ _U64 = struct.Struct("<Q")
 
 
 class _Cursor:
-    """Reads little-endian fields from a buffer, checking every length against the bytes left."""
+    """Reads little-endian fields from a buffer, checking every length against the bytes
+    left."""
 
     def __init__(self, buf, pos: int = 0):
         self.buf, self.pos, self.size = buf, pos, len(buf)
 
     def need(self, n: int, what: str) -> None:
         if n > self.size - self.pos:
-            raise GGUFError(f"{what}: truncated GGUF file, needs {n} bytes at byte {self.pos} "
-                            f"but only {self.size - self.pos} are left")
+            raise GGUFError(
+                f"{what}: truncated GGUF file, needs {n} bytes at byte {self.pos} but "
+                f"only {self.size - self.pos} are left"
+            )
 
     def scalar(self, dtype: np.dtype, what: str):
         self.need(dtype.itemsize, what)
@@ -138,10 +165,14 @@ class _Cursor:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise GGUFError(f"{what}: string is not valid UTF-8 ({e.reason} at byte {self.pos - n + e.start})") from None
+            raise GGUFError(
+                f"{what}: string is not valid UTF-8 ({e.reason} at byte "
+                f"{self.pos - n + e.start})"
+            ) from None
 
     def array(self, dtype: np.dtype, count: int, what: str) -> np.ndarray:
-        self.need(count * dtype.itemsize, what)   # python ints: no overflow, no allocation yet
+        # python ints: no overflow, no allocation yet
+        self.need(count * dtype.itemsize, what)
         a = np.frombuffer(self.buf, dtype, count, self.pos)
         self.pos += count * dtype.itemsize
         return a
@@ -149,8 +180,8 @@ class _Cursor:
     def strings(self, n: int, what: str) -> list[str]:
         """n strings in one tight loop: the real tokenizer holds about 257,000 of them.
 
-        The loop stops at the first string that fails a check; string() then reads that one
-        again and raises the error it always raises."""
+        The loop stops at the first string that fails a check; string() then reads that
+        one again and raises the error it always raises."""
         buf, pos, size, out = self.buf, self.pos, self.size, []
         length = _U64.unpack_from
         try:
@@ -171,7 +202,8 @@ class _Cursor:
 
 
 def _read_value(c: _Cursor, vtype: int, what: str, depth: int = 0):
-    """Decode one metadata value at the cursor into python values; returns (value, type tuple).
+    """Decode one metadata value at the cursor into python values; returns (value, type
+    tuple).
 
     Mirrors ds4.c: skip_value (l. 952)"""
     if vtype in _SCALAR_DTYPE:
@@ -186,17 +218,22 @@ def _read_value(c: _Cursor, vtype: int, what: str, depth: int = 0):
     if vtype != GGUFValueType.ARRAY:
         raise GGUFError(f"{what}: unknown metadata value type {vtype}")
     if depth > MAX_ARRAY_DEPTH:
-        raise GGUFError(f"{what}: metadata arrays nested more than {MAX_ARRAY_DEPTH} levels deep")
+        raise GGUFError(
+            f"{what}: metadata arrays nested more than {MAX_ARRAY_DEPTH} levels deep"
+        )
     item = c.u32(f"{what} (array item type)")
     n = c.u64(f"{what} (array length)")
     if item in _SCALAR_DTYPE:
         a = c.array(_SCALAR_DTYPE[item], n, f"{what} ({n} array items)")
         if item == GGUFValueType.BOOL:
             if a.size and a.max() > 1:
-                raise GGUFError(f"{what}: bool array holds a value that is neither 0 nor 1")
+                raise GGUFError(
+                    f"{what}: bool array holds a value that is neither 0 nor 1"
+                )
             a = a.astype(bool)
         return a.tolist(), (GGUFValueType.ARRAY, GGUFValueType(item))
-    # strings take at least 8 bytes each, arrays at least 12: refuse absurd counts before looping
+    # strings take at least 8 bytes each, arrays at least 12: refuse absurd counts
+    # before looping
     least = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}.get(item)
     if least is None:
         raise GGUFError(f"{what}: unknown array item type {item}")
@@ -212,7 +249,8 @@ def _read_value(c: _Cursor, vtype: int, what: str, depth: int = 0):
 
 @dataclass(frozen=True, eq=False)
 class TensorInfo:
-    """One entry of the tensor directory; `.data` is a zero-copy uint8 view of its bytes in the mapping.
+    """One entry of the tensor directory; `.data` is a zero-copy uint8 view of its bytes
+    in the mapping.
 
     Mirrors ds4.c: ds4_tensor (l. 904)"""
     name: str
@@ -232,15 +270,19 @@ class TensorInfo:
         return np.frombuffer(self._buf, np.uint8, self.nbytes, self.offset)
 
     def __repr__(self) -> str:
-        return (f"TensorInfo({self.name!r}, {self.ggml_type.name}, shape={list(self.shape)}, "
-                f"offset={self.offset}, nbytes={self.nbytes})")
+        return (
+            f"TensorInfo({self.name!r}, {self.ggml_type.name}, "
+            f"shape={list(self.shape)}, offset={self.offset}, nbytes={self.nbytes})"
+        )
 
 
 class GGUFFile:
-    """A GGUF v3 file mapped read-only: `.metadata` (key -> python value), `.tensors` (name -> TensorInfo).
+    """A GGUF v3 file mapped read-only: `.metadata` (key -> python value), `.tensors`
+    (name -> TensorInfo).
 
-    Every count and length is checked against the bytes that remain before it is used, so a
-    corrupt file raises GGUFError instead of allocating or looping. Mirrors ds4.c: model_open (l. 1196)"""
+    Every count and length is checked against the bytes that remain before it is used,
+    so a corrupt file raises GGUFError instead of allocating or looping.
+    Mirrors ds4.c: model_open (l. 1196)"""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -270,17 +312,24 @@ class GGUFFile:
         magic = bytes(buf[:4]) if len(buf) >= 4 else bytes(buf)
         c.need(4, "header (magic)")
         if magic != GGUF_MAGIC:
-            raise GGUFError(f"header: bad magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file")
+            raise GGUFError(
+                f"header: bad magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file"
+            )
         c.pos = 4
         self.version = c.u32("header (version)")
         if self.version != GGUF_VERSION:
-            raise GGUFError(f"header: unsupported GGUF version {self.version} (only version 3 is supported)")
+            raise GGUFError(
+                f"header: unsupported GGUF version {self.version} (only version "
+                "3 is supported)"
+            )
         n_tensors = c.u64("header (tensor count)")
         n_kv = c.u64("header (metadata count)")
         # a key/value pair takes at least 13 bytes, a directory entry at least 32
         if n_kv * 13 > c.size - c.pos:
-            raise GGUFError(f"header: claims {n_kv} metadata keys, which cannot fit in the "
-                            f"{c.size - c.pos} bytes that follow")
+            raise GGUFError(
+                f"header: claims {n_kv} metadata keys, which cannot fit in the "
+                f"{c.size - c.pos} bytes that follow"
+            )
 
         self.metadata: dict = {}
         self.metadata_types: dict = {}
@@ -289,21 +338,29 @@ class GGUFFile:
             if key in self.metadata:
                 raise GGUFError(f"metadata key {key!r}: duplicate key")
             vtype = c.u32(f"metadata key {key!r} (value type)")
-            self.metadata[key], self.metadata_types[key] = _read_value(c, vtype, f"metadata key {key!r}")
+            self.metadata[key], self.metadata_types[key] = _read_value(
+                c, vtype, f"metadata key {key!r}"
+            )
 
         self.alignment = 32
         if "general.alignment" in self.metadata:
             a = self.metadata["general.alignment"]
             if self.metadata_types["general.alignment"] != (GGUFValueType.UINT32,):
-                raise GGUFError("metadata key 'general.alignment': expected type UINT32, "
-                                f"got {self.metadata_types['general.alignment'][0].name}")
+                raise GGUFError(
+                    "metadata key 'general.alignment': expected type UINT32, got "
+                    f"{self.metadata_types['general.alignment'][0].name}"
+                )
             if a == 0 or a & (a - 1):
-                raise GGUFError(f"metadata key 'general.alignment': {a} is not a power of two")
+                raise GGUFError(
+                    f"metadata key 'general.alignment': {a} is not a power of two"
+                )
             self.alignment = a
 
         if n_tensors * 32 > c.size - c.pos:
-            raise GGUFError(f"tensor directory: header claims {n_tensors} tensors, which cannot fit in the "
-                            f"{c.size - c.pos} bytes after the metadata")
+            raise GGUFError(
+                f"tensor directory: header claims {n_tensors} tensors, which cannot "
+                f"fit in the {c.size - c.pos} bytes after the metadata"
+            )
         self.tensors: dict[str, TensorInfo] = {}
         entries = []
         for i in range(n_tensors):
@@ -322,24 +379,34 @@ class GGUFFile:
             rel = c.u64(f"{what} (offset)")
             per_block, block_bytes = GGML_BLOCK[t]
             if shape[0] % per_block:
-                raise GGUFError(f"{what}: dim 0 = {shape[0]} is not a multiple of the {t.name} block ({per_block})")
+                raise GGUFError(
+                    f"{what}: dim 0 = {shape[0]} is not a multiple of the "
+                    f"{t.name} block ({per_block})"
+                )
             n = int(np.prod(shape, dtype=object))
             nbytes = n // per_block * block_bytes
             if rel % self.alignment:
-                raise GGUFError(f"{what}: offset {rel} is not a multiple of the alignment {self.alignment}")
+                raise GGUFError(
+                    f"{what}: offset {rel} is not a multiple of the alignment "
+                    f"{self.alignment}"
+                )
             entries.append((name, t, shape, rel, nbytes))
             self.tensors[name] = None  # reserve the name for the duplicate check
 
         self.data_offset = -(-c.pos // self.alignment) * self.alignment
         self.header_nbytes = c.pos
         if entries and self.data_offset > c.size:
-            raise GGUFError(f"tensor data: truncated GGUF file, the padding after the directory ends at byte "
-                            f"{self.data_offset} but the file has {c.size} bytes")
+            raise GGUFError(
+                "tensor data: truncated GGUF file, the padding after the directory "
+                f"ends at byte {self.data_offset} but the file has {c.size} bytes"
+            )
         for name, t, shape, rel, nbytes in entries:
             off = self.data_offset + rel
             if off + nbytes > c.size:
-                raise GGUFError(f"tensor {name!r}: data [{off}, {off + nbytes}) lies beyond the end of the file "
-                                f"({c.size} bytes)")
+                raise GGUFError(
+                    f"tensor {name!r}: data [{off}, {off + nbytes}) lies beyond the "
+                    f"end of the file ({c.size} bytes)"
+                )
             self.tensors[name] = TensorInfo(name, t, shape, off, nbytes, rel, buf)
         by_offset = sorted(self.tensors.values(), key=lambda ti: ti.offset)
         for a, b in zip(by_offset, by_offset[1:]):
@@ -348,19 +415,21 @@ class GGUFFile:
         self.size = c.size
 
     def warm_pages(self) -> int:
-        """Read one byte of every page of the tensor data, so that later reads find every page mapped: the
-        routed experts a decode step picks for the first time then cost no page faults (a benchmark's
-        warm-up; a long-running server gets there by itself). Returns the number of pages touched.
+        """Read one byte of every page of the tensor data, so that later reads find
+        every page mapped: the routed experts a decode step picks for the first time
+        then cost no page faults (a benchmark's warm-up; a long-running server gets
+        there by itself). Returns the number of pages touched.
 
         Mirrors ds4.c: model_warm_weights (l. 1477)"""
-        if self._mm is None:                             # parsed from a buffer: nothing is mapped
+        if self._mm is None:             # parsed from a buffer: nothing is mapped
             return 0
         pages = np.frombuffer(self._mm, np.uint8)[self.data_offset::mmap.PAGESIZE]
-        int(pages.sum(dtype=np.uint64))                  # the reads are the point; the sum is discarded
+        int(pages.sum(dtype=np.uint64))  # the reads are the point; the sum is discarded
         return len(pages)
 
     def close(self) -> None:
-        """Unmap the file. Views still alive (tensor .data) keep the mapping until they are dropped."""
+        """Unmap the file. Views still alive (tensor .data) keep the mapping until they
+        are dropped."""
         mm, self._mm = getattr(self, "_mm", None), None
         if mm is not None:
             try:
@@ -375,5 +444,8 @@ class GGUFFile:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"GGUFFile({str(self.path)!r}, v{getattr(self, 'version', '?')}, "
-                f"{len(getattr(self, 'metadata', {}))} keys, {len(getattr(self, 'tensors', {}))} tensors)")
+        return (
+            f"GGUFFile({str(self.path)!r}, v{getattr(self, 'version', '?')}, "
+            f"{len(getattr(self, 'metadata', {}))} keys, "
+            f"{len(getattr(self, 'tensors', {}))} tensors)"
+        )

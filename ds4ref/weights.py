@@ -7,15 +7,24 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ds4ref.config import ModelConfig
-from ds4ref.gguf import GGML_BLOCK, GGMLType, GGUFError, GGUFFile, GGUFValueType, TensorInfo
+from ds4ref.gguf import (
+    GGML_BLOCK,
+    GGMLType,
+    GGUFError,
+    GGUFFile,
+    GGUFValueType,
+    TensorInfo,
+)
 
 T = GGMLType
-EXPERT_TYPES = (T.IQ2_XXS, T.Q2_K, T.Q4_K)   # ds4.c: tensor_is_routed_expert_type (l. 2295)
+# ds4.c: tensor_is_routed_expert_type (l. 2295)
+EXPERT_TYPES = (T.IQ2_XXS, T.Q2_K, T.Q4_K)
 
 
 @dataclass(frozen=True, eq=False)
 class Tensor:
-    """A bound weight: raw bytes as `data` uint8 [rows, row_bytes], rows = prod(shape[1:]).
+    """A bound weight: raw bytes as `data` uint8 [rows, row_bytes], rows =
+    prod(shape[1:]).
 
     Mirrors ds4.c: ds4_tensor (l. 904)"""
     name: str
@@ -29,7 +38,13 @@ class Tensor:
         per_block, block_bytes = GGML_BLOCK[info.ggml_type]
         row_bytes = info.shape[0] // per_block * block_bytes
         rows = info.nbytes // row_bytes if row_bytes else 0
-        return cls(info.name, info.ggml_type, info.shape, info.data.reshape(rows, row_bytes), info.offset)
+        return cls(
+            info.name,
+            info.ggml_type,
+            info.shape,
+            info.data.reshape(rows, row_bytes),
+            info.offset,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -44,33 +59,52 @@ class Tensor:
         return self.data.shape[1]
 
     def numpy(self) -> np.ndarray:
-        """Values in numpy order shape[::-1]: float32 for F32/F16/BF16, int32 for I32."""
+        """Values in numpy order shape[::-1]: float32 for F32/F16/BF16, int32 for
+        I32."""
         raw, out_shape = self.data.reshape(-1), self.shape[::-1]
         if self.ggml_type == T.F32:
             return raw.view("<f4").reshape(out_shape)
         if self.ggml_type == T.F16:
             return raw.view("<f2").astype(np.float32).reshape(out_shape)
         if self.ggml_type == T.BF16:
-            return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(out_shape)
+            return (
+                (raw.view("<u2").astype(np.uint32) << 16)
+                .view(np.float32)
+                .reshape(out_shape)
+            )
         if self.ggml_type == T.I32:
             return raw.view("<i4").reshape(out_shape)
         raise GGUFError(f"tensor '{self.name}': {self.ggml_type.name} is quantized, "
                         "use ds4ref.quant.dequantize for its values")
 
     def expert(self, e: int) -> "Tensor":
-        """Expert e of a 3-D expert tensor [in, out, n_expert], as a 2-D Tensor [in, out] (a view).
+        """Expert e of a 3-D expert tensor [in, out, n_expert], as a 2-D Tensor
+        [in, out] (a view).
 
         Mirrors ds4.c: tensor_expert_bytes (l. 3803)"""
         if len(self.shape) != 3:
-            raise GGUFError(f"tensor '{self.name}': expert() needs a 3-D expert tensor, shape is {list(self.shape)}")
+            raise GGUFError(
+                f"tensor '{self.name}': expert() needs a 3-D expert tensor, "
+                f"shape is {list(self.shape)}"
+            )
         n_in, n_out, n_exp = self.shape
         if not 0 <= e < n_exp:
-            raise GGUFError(f"tensor '{self.name}': expert {e} is outside 0..{n_exp - 1}")
-        return Tensor(f"{self.name}[{e}]", self.ggml_type, (n_in, n_out),
-                      self.data[e * n_out:(e + 1) * n_out], self.offset + e * n_out * self.row_bytes)
+            raise GGUFError(
+                f"tensor '{self.name}': expert {e} is outside 0..{n_exp - 1}"
+            )
+        return Tensor(
+            f"{self.name}[{e}]",
+            self.ggml_type,
+            (n_in, n_out),
+            self.data[e * n_out : (e + 1) * n_out],
+            self.offset + e * n_out * self.row_bytes,
+        )
 
     def __repr__(self) -> str:
-        return f"Tensor({self.name!r}, {self.ggml_type.name}, shape={list(self.shape)}, {self.nbytes} bytes)"
+        return (
+            f"Tensor({self.name!r}, {self.ggml_type.name}, "
+            f"shape={list(self.shape)}, {self.nbytes} bytes)"
+        )
 
 
 def f32_of(w) -> np.ndarray:
@@ -84,7 +118,8 @@ def f32_of(w) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What ds4.c expects of one tensor: name, field, layer, allowed types (first = the q2 model's), shape."""
+    """What ds4.c expects of one tensor: name, field, layer, allowed types (first = the
+    q2 model's), shape."""
     name: str
     field: str
     il: int | None
@@ -94,22 +129,29 @@ class TensorSpec:
 
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
-    """Every tensor of a DS4 model of shape cfg, in ds4.c's binding order, with its type and shape.
+    """Every tensor of a DS4 model of shape cfg, in ds4.c's binding order, with its type
+    and shape.
 
     Mirrors ds4.c: weights_bind (l. 2650) and weights_validate_layout (l. 2357)"""
     E, H, ex = cfg.n_embd, cfg.n_hc, cfg.n_expert
     F16, F32, Q8 = (T.F16,), (T.F32,), (T.Q8_0,)
-    specs = [TensorSpec("token_embd.weight", "token_embd", None, F16, (E, cfg.n_vocab)),
-             TensorSpec("output_hc_base.weight", "output_hc_base", None, F32, (H,)),
-             TensorSpec("output_hc_fn.weight", "output_hc_fn", None, F16, (cfg.hc_dim, H)),
-             TensorSpec("output_hc_scale.weight", "output_hc_scale", None, F32, (1,)),
-             TensorSpec("output_norm.weight", "output_norm", None, F32, (E,)),
-             TensorSpec("output.weight", "output", None, Q8, (E, cfg.n_vocab))]
+    specs = [
+        TensorSpec("token_embd.weight", "token_embd", None, F16, (E, cfg.n_vocab)),
+        TensorSpec("output_hc_base.weight", "output_hc_base", None, F32, (H,)),
+        TensorSpec("output_hc_fn.weight", "output_hc_fn", None, F16, (cfg.hc_dim, H)),
+        TensorSpec("output_hc_scale.weight", "output_hc_scale", None, F32, (1,)),
+        TensorSpec("output_norm.weight", "output_norm", None, F32, (E,)),
+        TensorSpec("output.weight", "output", None, Q8, (E, cfg.n_vocab)),
+    ]
     for il in range(cfg.n_layer):
         ratio = cfg.compress_ratio(il)
 
         def add(suffix, field, types, *shape, optional=False):
-            specs.append(TensorSpec(f"blk.{il}.{suffix}", field, il, types, tuple(shape), optional))
+            specs.append(
+                TensorSpec(
+                    f"blk.{il}.{suffix}", field, il, types, tuple(shape), optional
+                )
+            )
 
         add("hc_attn_fn.weight", "hc_attn_fn", F16, cfg.hc_dim, cfg.hc_mix)
         add("hc_attn_scale.weight", "hc_attn_scale", F32, 3)
@@ -121,24 +163,48 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         add("attn_kv.weight", "attn_kv", Q8, E, cfg.head_dim)
         add("attn_kv_a_norm.weight", "attn_kv_a_norm", F32, cfg.head_dim)
         add("attn_sinks.weight", "attn_sinks", F32, cfg.n_head)
-        add("attn_output_a.weight", "attn_output_a", Q8, cfg.head_dim * (cfg.n_head // cfg.n_out_group),
-            cfg.out_low_dim)
+        add(
+            "attn_output_a.weight",
+            "attn_output_a",
+            Q8,
+            cfg.head_dim * (cfg.n_head // cfg.n_out_group),
+            cfg.out_low_dim,
+        )
         add("attn_output_b.weight", "attn_output_b", Q8, cfg.out_low_dim, E)
-        if ratio != 0:                      # compressed attention: one lane, two when ratio 4 overlaps
+        if ratio != 0:  # compressed attention: one lane, two when ratio 4 overlaps
             width = (2 if ratio == 4 else 1) * cfg.head_dim
             add("attn_compressor_ape.weight", "attn_compressor_ape", F16, width, ratio)
             add("attn_compressor_kv.weight", "attn_compressor_kv", F16, E, width)
             add("attn_compressor_gate.weight", "attn_compressor_gate", F16, E, width)
-            add("attn_compressor_norm.weight", "attn_compressor_norm", F32, cfg.head_dim)
+            add(
+                "attn_compressor_norm.weight", "attn_compressor_norm", F32, cfg.head_dim
+            )
         if ratio == 4:                      # the sparse indexer: note the dotted names
             iwidth = 2 * cfg.indexer_head_dim
             add("indexer.attn_q_b.weight", "indexer_attn_q_b", F16, cfg.n_lora_q,
                 cfg.n_indexer_head * cfg.indexer_head_dim)
             add("indexer.proj.weight", "indexer_proj", F16, E, cfg.n_indexer_head)
-            add("indexer_compressor_ape.weight", "indexer_compressor_ape", F16, iwidth, ratio)
+            add(
+                "indexer_compressor_ape.weight",
+                "indexer_compressor_ape",
+                F16,
+                iwidth,
+                ratio,
+            )
             add("indexer_compressor_kv.weight", "indexer_compressor_kv", F16, E, iwidth)
-            add("indexer_compressor_gate.weight", "indexer_compressor_gate", F16, E, iwidth)
-            add("indexer_compressor_norm.weight", "indexer_compressor_norm", F32, cfg.indexer_head_dim)
+            add(
+                "indexer_compressor_gate.weight",
+                "indexer_compressor_gate",
+                F16,
+                E,
+                iwidth,
+            )
+            add(
+                "indexer_compressor_norm.weight",
+                "indexer_compressor_norm",
+                F32,
+                cfg.indexer_head_dim,
+            )
         add("hc_ffn_fn.weight", "hc_ffn_fn", F16, cfg.hc_dim, cfg.hc_mix)
         add("hc_ffn_scale.weight", "hc_ffn_scale", F32, 3)
         add("hc_ffn_base.weight", "hc_ffn_base", F32, cfg.hc_mix)
@@ -147,18 +213,33 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         add("exp_probs_b.bias", "ffn_exp_probs_b", F32, ex, optional=True)
         add("ffn_gate_exps.weight", "ffn_gate_exps", EXPERT_TYPES, E, cfg.n_ff_exp, ex)
         add("ffn_up_exps.weight", "ffn_up_exps", EXPERT_TYPES, E, cfg.n_ff_exp, ex)
-        add("ffn_down_exps.weight", "ffn_down_exps", (T.Q2_K, T.IQ2_XXS, T.Q4_K), cfg.n_ff_exp, E, ex)
+        add(
+            "ffn_down_exps.weight",
+            "ffn_down_exps",
+            (T.Q2_K, T.IQ2_XXS, T.Q4_K),
+            cfg.n_ff_exp,
+            E,
+            ex,
+        )
         add("ffn_gate_shexp.weight", "ffn_gate_shexp", Q8, E, cfg.n_ff_exp)
         add("ffn_up_shexp.weight", "ffn_up_shexp", Q8, E, cfg.n_ff_exp)
         add("ffn_down_shexp.weight", "ffn_down_shexp", Q8, cfg.n_ff_exp, E)
-        if il < cfg.n_hash_layer:           # token-id hash routing: entry (token, i) at 6*token + i
-            add("ffn_gate_tid2eid.weight", "ffn_gate_tid2eid", (T.I32,), cfg.n_expert_used, cfg.n_vocab)
+        # token-id hash routing: entry (token, i) at 6*token + i
+        if il < cfg.n_hash_layer:
+            add(
+                "ffn_gate_tid2eid.weight",
+                "ffn_gate_tid2eid",
+                (T.I32,),
+                cfg.n_expert_used,
+                cfg.n_vocab,
+            )
     return specs
 
 
 @dataclass(frozen=True, eq=False)
 class LayerWeights:
-    """One transformer block's tensors, ds4.c's field names; absent conditional tensors are None.
+    """One transformer block's tensors, ds4.c's field names; absent conditional tensors
+    are None.
 
     Mirrors ds4.c: ds4_layer_weights (l. 2059)"""
     il: int
@@ -201,12 +282,15 @@ class LayerWeights:
 
     def tensors(self) -> list[Tensor]:
         """The tensors this layer has, in field order."""
-        return [v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)]
+        return [
+            v for f in fields(self) if isinstance(v := getattr(self, f.name), Tensor)
+        ]
 
 
 @dataclass(frozen=True, eq=False)
 class Weights:
-    """All tensors of the model, bound by name once. Mirrors ds4.c: ds4_weights (l. 2097)"""
+    """All tensors of the model, bound by name once.
+    Mirrors ds4.c: ds4_weights (l. 2097)"""
     token_embd: Tensor
     output_hc_base: Tensor
     output_hc_fn: Tensor
@@ -221,48 +305,82 @@ class Weights:
 
 
 def check_tensor(t: TensorInfo | None, spec: TensorSpec) -> None:
-    """Raise GGUFError naming the tensor if it is missing, of the wrong type or of the wrong shape.
+    """Raise GGUFError naming the tensor if it is missing, of the wrong type or of the
+    wrong shape.
 
-    Mirrors ds4.c: tensor_expect_layout (l. 2226), tensor_expect_routed_expert (l. 2316)"""
+    Mirrors ds4.c: tensor_expect_layout (l. 2226),
+    tensor_expect_routed_expert (l. 2316)"""
     if t is None:
         raise GGUFError(f"tensor '{spec.name}': required tensor is missing")
     if t.ggml_type not in spec.types:
-        want = spec.types[0].name if len(spec.types) == 1 else "one of " + "/".join(x.name for x in spec.types)
-        raise GGUFError(f"tensor '{spec.name}': expected type {want}, got {t.ggml_type.name}")
+        want = (
+            spec.types[0].name
+            if len(spec.types) == 1
+            else "one of " + "/".join(x.name for x in spec.types)
+        )
+        raise GGUFError(
+            f"tensor '{spec.name}': expected type {want}, got {t.ggml_type.name}"
+        )
     if tuple(t.shape) != spec.shape:
-        raise GGUFError(f"tensor '{spec.name}': expected shape {list(spec.shape)}, got {list(t.shape)}")
+        raise GGUFError(
+            f"tensor '{spec.name}': expected shape {list(spec.shape)}, got "
+            f"{list(t.shape)}"
+        )
 
 
 def bind_weights(g: GGUFFile, cfg: ModelConfig) -> Weights:
-    """Look every tensor up by name, check its type and shape against cfg, and bind it to its field.
+    """Look every tensor up by name, check its type and shape against cfg, and bind it
+    to its field.
 
     Mirrors ds4.c: weights_bind (l. 2650) + weights_validate_layout (l. 2357)"""
-    for name in g.tensors:                  # a file with more layers than block_count says is not this model
-        if name.startswith("blk.") and name.split(".")[1].isdigit() and int(name.split(".")[1]) >= cfg.n_layer:
-            raise GGUFError(f"tensor '{name}': layer {name.split('.')[1]} is outside the model's "
-                            f"{cfg.n_layer} layers (deepseek4.block_count)")
+    # a file with more layers than block_count says is not this model
+    for name in g.tensors:
+        if (
+            name.startswith("blk.")
+            and name.split(".")[1].isdigit()
+            and int(name.split(".")[1]) >= cfg.n_layer
+        ):
+            raise GGUFError(
+                f"tensor '{name}': layer {name.split('.')[1]} is outside the model's "
+                f"{cfg.n_layer} layers (deepseek4.block_count)"
+            )
     top: dict = {}
-    layer_kw = [dict(il=il, compress_ratio=cfg.compress_ratio(il)) for il in range(cfg.n_layer)]
+    layer_kw = [
+        dict(il=il, compress_ratio=cfg.compress_ratio(il)) for il in range(cfg.n_layer)
+    ]
     for spec in tensor_specs(cfg):
         t = g.tensors.get(spec.name)
         if t is None and spec.optional:
             continue
         check_tensor(t, spec)
-        (top if spec.il is None else layer_kw[spec.il])[spec.field] = Tensor.from_info(t)
+        (top if spec.il is None else layer_kw[spec.il])[spec.field] = Tensor.from_info(
+            t
+        )
     for kw in layer_kw:
         if kw["ffn_gate_exps"].ggml_type != kw["ffn_up_exps"].ggml_type:
-            raise GGUFError(f"tensor 'blk.{kw['il']}.ffn_up_exps.weight': type {kw['ffn_up_exps'].ggml_type.name} "
-                            f"differs from ffn_gate_exps ({kw['ffn_gate_exps'].ggml_type.name}); "
-                            "ds4 needs one type for gate and up")
+            raise GGUFError(
+                f"tensor 'blk.{kw['il']}.ffn_up_exps.weight': type "
+                f"{kw['ffn_up_exps'].ggml_type.name} differs from ffn_gate_exps "
+                f"({kw['ffn_gate_exps'].ggml_type.name}); ds4 needs one type for gate "
+                "and up"
+            )
     return Weights(**top, layers=tuple(LayerWeights(**kw) for kw in layer_kw))
 
 
-SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                  "<think>", "</think>", "｜DSML｜")
+SPECIAL_TOKENS = (
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+    "｜DSML｜",
+)
 
 
 def check_tokenizer_metadata(g: GGUFFile) -> None:
-    """The tokenizer keys ds4.c needs: token and merge string arrays, and its seven special tokens.
+    """The tokenizer keys ds4.c needs: token and merge string arrays, and its seven
+    special tokens.
 
     Mirrors ds4.c: vocab_load (l. 14789)"""
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
@@ -274,11 +392,14 @@ def check_tokenizer_metadata(g: GGUFFile) -> None:
     tokens = set(g.metadata["tokenizer.ggml.tokens"])
     for s in SPECIAL_TOKENS:
         if s not in tokens:
-            raise GGUFError(f"metadata key 'tokenizer.ggml.tokens': required token {s!r} is missing")
+            raise GGUFError(
+                f"metadata key 'tokenizer.ggml.tokens': required token {s!r} is missing"
+            )
 
 
 def load_model(path) -> tuple[GGUFFile, ModelConfig, Weights]:
-    """Open a DS4 GGUF, read its config and bind its weights, checking everything ds4.c checks at load.
+    """Open a DS4 GGUF, read its config and bind its weights, checking everything ds4.c
+    checks at load.
 
     Like ds4_engine_open: model_open, vocab_load, config_validate_model, weights_bind.
     Mirrors ds4.c: ds4_engine_open (l. 17165)"""

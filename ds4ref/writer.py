@@ -28,7 +28,8 @@ def _string(s: str) -> bytes:
 
 
 def encode_value(vtype: tuple, value) -> bytes:
-    """One metadata value in GGUF v3 layout; vtype is a type tuple such as (ARRAY, UINT32).
+    """One metadata value in GGUF v3 layout; vtype is a type tuple such as (ARRAY,
+    UINT32).
 
     Mirrors ds4.c: none (ds4.c only reads; this is the inverse of skip_value, l. 952)"""
     t = vtype[0]
@@ -46,7 +47,8 @@ def encode_value(vtype: tuple, value) -> bytes:
 
 @dataclass
 class TensorData:
-    """A tensor to write: its directory entry and a function that yields its bytes in chunks."""
+    """A tensor to write: its directory entry and a function that yields its bytes in
+    chunks."""
     name: str
     ggml_type: GGMLType
     shape: tuple[int, ...]
@@ -77,28 +79,34 @@ def sparse_files_supported(directory) -> bool:
 
 def write_gguf(path, metadata: list[tuple[str, tuple, object]],
                tensors: list[TensorData], *, hole: bool = False) -> Path:
-    """Write a GGUF v3 file: header, metadata, tensor directory, padding, then each tensor's bytes.
+    """Write a GGUF v3 file: header, metadata, tensor directory, padding, then each
+    tensor's bytes.
 
-    Alignment comes from the `general.alignment` entry (default 32). Tensor bytes are streamed
-    chunk by chunk, so the file may be much larger than memory. With `hole=True` no
-    tensor byte is written: truncate extends the file to its full size, the data region
-    is a hole that reads as zeros, and the disk holds only the header (SparseFileError
-    where the filesystem cannot make holes).
+    Alignment comes from the `general.alignment` entry (default 32). Tensor bytes are
+    streamed chunk by chunk, so the file may be much larger than memory. With
+    `hole=True` no tensor byte is written: truncate extends the file to its full size,
+    the data region is a hole that reads as zeros, and the disk holds only the header
+    (SparseFileError where the filesystem cannot make holes).
 
     Mirrors ds4.c: none (the inverse of model_open, l. 1196)"""
     path = Path(path)
     if hole and not sparse_files_supported(path.parent):
         raise SparseFileError(f"{path}: the filesystem of {path.parent} does not "
                               "support sparse files; hole=True would write every byte")
-    align = next((v for k, t, v in metadata if k == "general.alignment" and t == (V.UINT32,)), 32)
+    align = next(
+        (v for k, t, v in metadata if k == "general.alignment" and t == (V.UINT32,)), 32
+    )
     pad = lambda n: -n % align
     parts = [b"GGUF", struct.pack("<IQQ", 3, len(tensors), len(metadata))]
     for key, vtype, value in metadata:
         parts += [_string(key), struct.pack("<I", vtype[0]), encode_value(vtype, value)]
     rel = 0
     for t in tensors:
-        parts += [_string(t.name), struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape),
-                  struct.pack("<IQ", t.ggml_type, rel)]
+        parts += [
+            _string(t.name),
+            struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape),
+            struct.pack("<IQ", t.ggml_type, rel),
+        ]
         rel += t.nbytes + pad(t.nbytes)
     header = b"".join(parts)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -115,7 +123,10 @@ def write_gguf(path, metadata: list[tuple[str, tuple, object]],
                     f.write(b.data)
                     n += b.nbytes
                 if n != t.nbytes:
-                    raise GGUFError(f"tensor {t.name!r}: wrote {n} bytes, its type and shape need {t.nbytes}")
+                    raise GGUFError(
+                        f"tensor {t.name!r}: wrote {n} bytes, its type and shape "
+                        f"need {t.nbytes}"
+                    )
                 f.write(b"\0" * pad(n))
         os.replace(tmp, path)
     finally:
@@ -123,14 +134,18 @@ def write_gguf(path, metadata: list[tuple[str, tuple, object]],
     return path
 
 
-# Seeded random weights. Each tensor (and each expert) draws from its own stream, keyed by
-# (seed, name), so a tensor's bytes do not depend on the order or chunking of the others.
+# Seeded random weights. Each tensor (and each expert) draws from its own stream, keyed
+# by (seed, name), so a tensor's bytes do not depend on the order or chunking of the
+# others.
 def _rng(seed: int, name: str, *more: int) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode()), *more])
 
 
-def _float_values(spec: TensorSpec, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Float weights in numpy order shape[::-1], scaled so that matvec outputs have about unit RMS."""
+def _float_values(
+    spec: TensorSpec, rng: np.random.Generator, shape: tuple[int, ...]
+) -> np.ndarray:
+    """Float weights in numpy order shape[::-1], scaled so that matvec outputs have
+    about unit RMS."""
     f, n_in = spec.field, spec.shape[0]
     x = rng.standard_normal(shape[::-1], dtype=np.float32)
     if f.endswith("norm"):
@@ -145,7 +160,7 @@ def _float_values(spec: TensorSpec, rng: np.random.Generator, shape: tuple[int, 
         return 0.5 * x
     if f == "token_embd":
         return x
-    gain = 2.5 if f == "output" else 1.0            # logits with std about 2.5, as the oracle's
+    gain = 2.5 if f == "output" else 1.0  # logits with std about 2.5, as the oracle's
     return x * np.float32(gain / np.sqrt(n_in))
 
 
@@ -156,21 +171,29 @@ def _quantize_q8_0(x: np.ndarray) -> np.ndarray:
 
 
 # byte positions of the f16 scales in one block (d, dmin), and dmin / d
-_SCALE_FIELDS = {T.IQ2_XXS: (0, None, 0.0), T.Q2_K: (80, 82, 1.0), T.Q4_K: (0, 2, 7.5 / 8)}
+_SCALE_FIELDS = {
+    T.IQ2_XXS: (0, None, 0.0),
+    T.Q2_K: (80, 82, 1.0),
+    T.Q4_K: (0, 2, 7.5 / 8),
+}
 
 
-def _random_blocks(ggml_type: GGMLType, n_blocks: int, rng: np.random.Generator, d: float) -> np.ndarray:
-    """n_blocks random but valid blocks of an expert quant type, with f16 scales around d.
+def _random_blocks(
+    ggml_type: GGMLType, n_blocks: int, rng: np.random.Generator, d: float
+) -> np.ndarray:
+    """n_blocks random but valid blocks of an expert quant type, with f16 scales around
+    d.
 
-    IQ2_XXS: any grid/sign/scale bytes are valid. Q2_K: 4-bit scales sc in 1..10 with mins
-    m = round(1.5 sc) and dmin = d, so each 16-value sub-block (q in 0..3) is centred near zero.
-    Q4_K: 6-bit scales sc in 1..7 with mins m = 8 sc and dmin = 7.5 d / 8 (q in 0..15, mean 7.5)."""
+    IQ2_XXS: any grid/sign/scale bytes are valid. Q2_K: 4-bit scales sc in 1..10 with
+    mins m = round(1.5 sc) and dmin = d, so each 16-value sub-block (q in 0..3) is
+    centred near zero. Q4_K: 6-bit scales sc in 1..7 with mins m = 8 sc and dmin = 7.5 d
+    / 8 (q in 0..15, mean 7.5)."""
     block_bytes = GGML_BLOCK[ggml_type][1]
     b = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
     if ggml_type == T.Q2_K:
         sc = rng.integers(1, 11, (n_blocks, 16))
         b[:, :16] = (sc | (np.rint(1.5 * sc).astype(np.int64) << 4)).astype(np.uint8)
-    if ggml_type == T.Q4_K:                          # 8 (scale, min) pairs of 6 bits packed in 12 bytes
+    if ggml_type == T.Q4_K:  # 8 (scale, min) pairs of 6 bits packed in 12 bytes
         sc = rng.integers(1, 8, (n_blocks, 8))
         m = 8 * sc
         b[:, 4:8] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
@@ -180,13 +203,16 @@ def _random_blocks(ggml_type: GGMLType, n_blocks: int, rng: np.random.Generator,
     d_at, dmin_at, dmin_ratio = _SCALE_FIELDS[ggml_type]
     b[:, d_at:d_at + 2] = scale.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     if dmin_at is not None:
-        b[:, dmin_at:dmin_at + 2] = (dmin_ratio * scale).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+        b[:, dmin_at : dmin_at + 2] = (
+            (dmin_ratio * scale).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+        )
     return b
 
 
 @lru_cache(maxsize=None)
 def _unit_rms(ggml_type: GGMLType) -> float:
-    """RMS of the values of random blocks drawn with d = 1 (measured once with gguf-py's dequantizer)."""
+    """RMS of the values of random blocks drawn with d = 1 (measured once with gguf-py's
+    dequantizer)."""
     from gguf.quants import dequantize
     from gguf import GGMLQuantizationType
     blocks = _random_blocks(ggml_type, 512, np.random.default_rng(0), 1.0)
@@ -195,30 +221,39 @@ def _unit_rms(ggml_type: GGMLType) -> float:
 
 
 def _tensor_chunks(spec: TensorSpec, ggml_type: GGMLType, cfg: ModelConfig, seed: int):
-    """A function yielding the bytes of one tensor, one slab (or one expert) at a time."""
+    """A function yielding the bytes of one tensor, one slab (or one expert) at a
+    time."""
     shape = spec.shape
 
     def floats():
         yield _float_values(spec, _rng(seed, spec.name), shape).astype(
             np.float16 if ggml_type == T.F16 else np.float32)
 
-    def q8_0():                                     # rows in slabs of at most ~4M values
+    def q8_0():  # rows in slabs of at most ~4M values
         n_in, rows = shape[0], int(np.prod(shape[1:]))
         step = max(1, (1 << 22) // n_in)
         for r0 in range(0, rows, step):
-            sub = TensorSpec(spec.name, spec.field, spec.il, spec.types, (n_in, min(step, rows - r0)))
-            yield _quantize_q8_0(_float_values(sub, _rng(seed, spec.name, r0), sub.shape))
+            sub = TensorSpec(
+                spec.name, spec.field, spec.il, spec.types, (n_in, min(step, rows - r0))
+            )
+            yield _quantize_q8_0(
+                _float_values(sub, _rng(seed, spec.name, r0), sub.shape)
+            )
 
-    def experts():                                  # one expert [out rows, in/256 blocks] at a time
+    def experts():  # one expert [out rows, in/256 blocks] at a time
         n_in, n_out, n_exp = shape
         d = 1.0 / np.sqrt(n_in) / _unit_rms(ggml_type)
         for e in range(n_exp):
-            yield _random_blocks(ggml_type, n_out * (n_in // 256), _rng(seed, spec.name, e), d)
+            yield _random_blocks(
+                ggml_type, n_out * (n_in // 256), _rng(seed, spec.name, e), d
+            )
 
-    def tid2eid():                                  # n_expert_used distinct experts per token
+    def tid2eid():  # n_expert_used distinct experts per token
         n_used, n_vocab = shape
         for t0 in range(0, n_vocab, 4096):
-            r = _rng(seed, spec.name, t0).random((min(4096, n_vocab - t0), cfg.n_expert))
+            r = _rng(seed, spec.name, t0).random(
+                (min(4096, n_vocab - t0), cfg.n_expert)
+            )
             yield np.argsort(r, axis=1, kind="stable")[:, :n_used].astype("<i4")
 
     if ggml_type in (T.F16, T.F32):
@@ -229,46 +264,78 @@ def _tensor_chunks(spec: TensorSpec, ggml_type: GGMLType, cfg: ModelConfig, seed
         return tid2eid
     if ggml_type in _SCALE_FIELDS:
         return experts
-    raise GGUFError(f"tensor {spec.name!r}: the writer cannot generate type {ggml_type.name}")
+    raise GGUFError(
+        f"tensor {spec.name!r}: the writer cannot generate type {ggml_type.name}"
+    )
 
 
 CORPUS = """\
-An inference engine is a small program with a large file beside it. The program reads the file
-once, maps it into memory, and from then on every weight is only an address: a name in a table,
-a type, a shape, and an offset into the mapping. Nothing is copied. When a token arrives the engine
-walks forty three layers; in each one it mixes four residual streams, attends over a window of
-recent keys and over compressed summaries of older ones, then asks a router which six of two
-hundred and fifty six experts should see the token. Most of the bytes in the file belong to those
-experts, stored with two bits per weight, and most of them are never touched by any one token.
-Reading the engine means reading these tables first. Which tensor holds which matrix, which axis is
-contiguous, why one projection is stored at eight bits and another at sixteen, and which layers own
-an indexer or a hash table instead of a learned router. A reader who knows the layout can open the
-file with twenty lines of numpy, check every byte range, and then rebuild each mechanism on top of
-the same views: normalisation, rotation, attention with sinks, the compressor, the sparse indexer,
-the mixture of experts, and the sampler at the very end. Small synthetic models with the same
-layout make every step cheap to run and easy to compare, number by number, with the original C.
-Quantization is the other half of the story. A block of thirty two weights shares one scale in the
-eight bit format; a super block of two hundred fifty six shares a scale and a minimum in the two bit
-formats, with smaller scales packed into nibbles. Activations are quantized too, just before each
-product, and the integer dot products are summed in a fixed order. Every rounding step is part of
-the model as it runs, so a faithful port rounds in the same places: keys are pushed through an
-eight bit float grid before they are cached, indexer queries through a four bit grid after a
-Hadamard rotation, and half precision appears wherever the original stores a row. Getting these
-details right is what lets a slow, readable Python program agree with a fast, terse C program to
-the last few bits, and it is also what makes a disagreement easy to find: feed both programs the
+An inference engine is a small program with a \
+large file beside it. The program reads the file
+once, maps it into memory, and from then on every \
+weight is only an address: a name in a table,
+a type, a shape, and an offset into the mapping. \
+Nothing is copied. When a token arrives the engine
+walks forty three layers; in each one it mixes \
+four residual streams, attends over a window of
+recent keys and over compressed summaries of \
+older ones, then asks a router which six of two
+hundred and fifty six experts should see the token. \
+Most of the bytes in the file belong to those
+experts, stored with two bits per weight, and \
+most of them are never touched by any one token.
+Reading the engine means reading these tables first. \
+Which tensor holds which matrix, which axis is
+contiguous, why one projection is stored at eight \
+bits and another at sixteen, and which layers own
+an indexer or a hash table instead of a learned \
+router. A reader who knows the layout can open the
+file with twenty lines of numpy, check every byte \
+range, and then rebuild each mechanism on top of
+the same views: normalisation, rotation, attention \
+with sinks, the compressor, the sparse indexer,
+the mixture of experts, and the sampler at the \
+very end. Small synthetic models with the same
+layout make every step cheap to run and easy to \
+compare, number by number, with the original C.
+Quantization is the other half of the story. A \
+block of thirty two weights shares one scale in the
+eight bit format; a super block of two hundred fifty \
+six shares a scale and a minimum in the two bit
+formats, with smaller scales packed into nibbles. \
+Activations are quantized too, just before each
+product, and the integer dot products are summed \
+in a fixed order. Every rounding step is part of
+the model as it runs, so a faithful port rounds \
+in the same places: keys are pushed through an
+eight bit float grid before they are cached, \
+indexer queries through a four bit grid after a
+Hadamard rotation, and half precision appears \
+wherever the original stores a row. Getting these
+details right is what lets a slow, readable Python \
+program agree with a fast, terse C program to
+the last few bits, and it is also what makes a \
+disagreement easy to find: feed both programs the
 same input, dump every intermediate vector, and compare them one operation at a time.
-Tokenization closes the loop. Text becomes bytes, bytes become symbols, and symbols are merged by
-rank into the longest pieces that the vocabulary knows. Special markers frame a conversation: the
-beginning of a sentence, the user, the assistant, and the thinking section that the model may open
-and close before it answers. Sampling then turns logits into the next token, either greedily or by
-drawing from the most probable candidates with a temperature, a nucleus, and a minimum probability.
+Tokenization closes the loop. Text becomes bytes, \
+bytes become symbols, and symbols are merged by
+rank into the longest pieces that the vocabulary \
+knows. Special markers frame a conversation: the
+beginning of a sentence, the user, the assistant, \
+and the thinking section that the model may open
+and close before it answers. Sampling then turns \
+logits into the next token, either greedily or by
+drawing from the most probable candidates with a \
+temperature, a nucleus, and a minimum probability.
 """
 
 
 def byte_symbols() -> list[str]:
-    """GPT-2's byte-level alphabet: byte b -> one printable character (printable bytes stand for themselves).
+    """GPT-2's byte-level alphabet: byte b -> one printable character (printable bytes
+    stand for themselves).
 
-    Mirrors ds4.c: the byte symbols its BPE tokenizer expects in the vocab (vocab_load, l. 14789)"""
+    Mirrors ds4.c: the byte symbols its BPE tokenizer expects in the vocab (vocab_load,
+    l. 14789)"""
     keep = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
     spare = iter(range(256, 512))
     return [chr(b) if b in keep else chr(next(spare)) for b in range(256)]
@@ -276,12 +343,16 @@ def byte_symbols() -> list[str]:
 
 @lru_cache(maxsize=8)
 def train_bpe(text: str, n_tokens: int) -> tuple[tuple[str, str], ...]:
-    """Greedy byte-level BPE: merge the most frequent adjacent pair (ties: smallest pair) until
-    n_tokens new tokens exist or no pair is left. Words keep their leading space, as GPT-2's do.
+    """Greedy byte-level BPE: merge the most frequent adjacent pair (ties: smallest
+    pair) until n_tokens new tokens exist or no pair is left. Words keep their leading
+    space, as GPT-2's do.
 
     Mirrors ds4.c: none (ds4.c applies merges by rank; this learns them)"""
     sym = byte_symbols()
-    seqs = Counter(tuple(sym[b] for b in w.encode()) for w in re.findall(r" ?[A-Za-z]+| ?\d+| ?[^\sA-Za-z\d]+|\s+", text))
+    seqs = Counter(
+        tuple(sym[b] for b in w.encode())
+        for w in re.findall(r" ?[A-Za-z]+| ?\d+| ?[^\sA-Za-z\d]+|\s+", text)
+    )
     merges, made = [], set(sym)
     while len(made) - 256 < n_tokens:
         pairs = Counter()
@@ -309,34 +380,42 @@ def train_bpe(text: str, n_tokens: int) -> tuple[tuple[str, str], ...]:
 
 
 def tokenizer_metadata(n_vocab: int) -> list[tuple[str, tuple, object]]:
-    """A byte-level BPE vocabulary of n_vocab tokens: BOS, EOS, the 256 byte symbols, ds4's other
-    special tokens, learned merges, then placeholders, as tokenizer.ggml.* entries.
+    """A byte-level BPE vocabulary of n_vocab tokens: BOS, EOS, the 256 byte symbols,
+    ds4's other special tokens, learned merges, then placeholders, as tokenizer.ggml.*
+    entries.
 
     Mirrors ds4.c: vocab_load (l. 14789), the keys it reads"""
     bos, eos, *others = SPECIAL_TOKENS
     fixed = [bos, eos, *byte_symbols(), *others]
     if n_vocab < len(fixed):
-        raise GGUFError(f"metadata key 'deepseek4.vocab_size': {n_vocab} is too small for the "
-                        f"{len(fixed)} byte and special tokens")
+        raise GGUFError(
+            f"metadata key 'deepseek4.vocab_size': {n_vocab} is too small for the "
+            f"{len(fixed)} byte and special tokens"
+        )
     merges = train_bpe(CORPUS, n_vocab - len(fixed))
     tokens = fixed + list(dict.fromkeys(a + b for a, b in merges))
     n_learned = len(tokens) - len(fixed)
     tokens += [f"<｜place▁holder▁no▁{i}｜>" for i in range(n_vocab - len(tokens))]
     control, normal, unused = 3, 1, 5
-    types = [control] * 2 + [normal] * 256 + [control] * len(others) + [normal] * n_learned
+    types = (
+        [control] * 2 + [normal] * 256 + [control] * len(others) + [normal] * n_learned
+    )
     types += [unused] * (n_vocab - len(types))
-    return [("tokenizer.ggml.model", (V.STRING,), "gpt2"),
-            ("tokenizer.ggml.pre", (V.STRING,), "deepseek-v3"),
-            ("tokenizer.ggml.tokens", (V.ARRAY, V.STRING), tokens),
-            ("tokenizer.ggml.token_type", (V.ARRAY, V.INT32), types),
-            ("tokenizer.ggml.merges", (V.ARRAY, V.STRING), [f"{a} {b}" for a, b in merges]),
-            ("tokenizer.ggml.bos_token_id", (V.UINT32,), 0),
-            ("tokenizer.ggml.eos_token_id", (V.UINT32,), 1)]
+    return [
+        ("tokenizer.ggml.model", (V.STRING,), "gpt2"),
+        ("tokenizer.ggml.pre", (V.STRING,), "deepseek-v3"),
+        ("tokenizer.ggml.tokens", (V.ARRAY, V.STRING), tokens),
+        ("tokenizer.ggml.token_type", (V.ARRAY, V.INT32), types),
+        ("tokenizer.ggml.merges", (V.ARRAY, V.STRING), [f"{a} {b}" for a, b in merges]),
+        ("tokenizer.ggml.bos_token_id", (V.UINT32,), 0),
+        ("tokenizer.ggml.eos_token_id", (V.UINT32,), 1),
+    ]
 
 
 def model_metadata(cfg: ModelConfig, seed: int = 0, name: str | None = None,
                    alignment: int = 32) -> list[tuple[str, tuple, object]]:
-    """Every metadata entry of a DS4 GGUF of shape cfg: general, deepseek4.* and tokenizer keys.
+    """Every metadata entry of a DS4 GGUF of shape cfg: general, deepseek4.* and
+    tokenizer keys.
 
     Mirrors ds4.c: config_validate_model (l. 2564), the keys it reads"""
     return [("general.architecture", (V.STRING,), "deepseek4"),
@@ -347,11 +426,17 @@ def model_metadata(cfg: ModelConfig, seed: int = 0, name: str | None = None,
             *cfg.to_metadata(), *tokenizer_metadata(cfg.n_vocab)]
 
 
-def model_tensors(cfg: ModelConfig, seed: int = 0, expert_types: tuple = (T.IQ2_XXS, T.Q2_K),
-                  exp_probs_b: bool = True) -> list[TensorData]:
-    """Every tensor of a DS4 model of shape cfg, with seeded random contents (generated when written).
+def model_tensors(
+    cfg: ModelConfig,
+    seed: int = 0,
+    expert_types: tuple = (T.IQ2_XXS, T.Q2_K),
+    exp_probs_b: bool = True,
+) -> list[TensorData]:
+    """Every tensor of a DS4 model of shape cfg, with seeded random contents (generated
+    when written).
 
-    expert_types = (gate/up type, down type); exp_probs_b adds the optional router bias on top-k layers.
+    expert_types = (gate/up type, down type); exp_probs_b adds the optional router bias
+    on top-k layers.
 
     Mirrors ds4.c: weights_bind (l. 2650), the tensors it binds"""
     gate_up, down = (T[t] if isinstance(t, str) else T(t) for t in expert_types)
@@ -359,18 +444,25 @@ def model_tensors(cfg: ModelConfig, seed: int = 0, expert_types: tuple = (T.IQ2_
     for spec in tensor_specs(cfg):
         if spec.optional and (not exp_probs_b or spec.il < cfg.n_hash_layer):
             continue
-        t = {"ffn_gate_exps": gate_up, "ffn_up_exps": gate_up, "ffn_down_exps": down}.get(spec.field, spec.types[0])
-        out.append(TensorData(spec.name, t, spec.shape, _tensor_chunks(spec, t, cfg, seed)))
+        t = {
+            "ffn_gate_exps": gate_up,
+            "ffn_up_exps": gate_up,
+            "ffn_down_exps": down,
+        }.get(spec.field, spec.types[0])
+        out.append(
+            TensorData(spec.name, t, spec.shape, _tensor_chunks(spec, t, cfg, seed))
+        )
     return out
 
 
 def write_model(path, cfg: ModelConfig, seed: int = 0, *, name: str | None = None,
                 expert_types: tuple = (T.IQ2_XXS, T.Q2_K), exp_probs_b: bool = True,
                 alignment: int = 32, data: str = "random") -> Path:
-    """Write a DS4-shaped GGUF of shape cfg with seeded random weights in the q2 model's type mix.
+    """Write a DS4-shaped GGUF of shape cfg with seeded random weights in the q2 model's
+    type mix.
 
-    Tensors are generated and written one at a time (experts one expert at a time): writing the
-    3.9 GB `ModelConfig.wide()` model peaks at about 100 MB of memory.
+    Tensors are generated and written one at a time (experts one expert at a time):
+    writing the 3.9 GB `ModelConfig.wide()` model peaks at about 100 MB of memory.
     `data="hole"` writes the same header and directory and leaves the tensor data a hole
     (weights read as zeros): the 86.7 GB `ModelConfig.real()` file then takes about 6 MB
     of disk and a second to write (`write_gguf`'s hole=True).
@@ -390,7 +482,8 @@ WRITER_VERSION = 1
 
 
 def default_model_path() -> Path:
-    """The bundled model of `python -m ds4ref`: the tiny shape, seed 7, generated on first use.
+    """The bundled model of `python -m ds4ref`: the tiny shape, seed 7, generated on
+    first use.
 
     Lives in $DS4REF_CACHE or ~/.cache/ds4ref; the name carries the writer version.
 
@@ -399,7 +492,12 @@ def default_model_path() -> Path:
     path = cache / f"ds4ref-tiny-seed{DEFAULT_SEED}-v{WRITER_VERSION}.gguf"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        write_model(path, ModelConfig.tiny(), DEFAULT_SEED, name=f"ds4ref-tiny-seed{DEFAULT_SEED}")
+        write_model(
+            path,
+            ModelConfig.tiny(),
+            DEFAULT_SEED,
+            name=f"ds4ref-tiny-seed{DEFAULT_SEED}",
+        )
     return path
 
 
