@@ -8,10 +8,18 @@ from ds4ref.cli import model_summary
 # on first use: see _LAZY (chapter 08), which keeps `import ds4ref` light
 
 
-_LAZY = {"Engine": "ds4ref.engine", "Session": "ds4ref.engine", "Snapshot": "ds4ref.engine",
-         "forward_token": "ds4ref.model", "prefill": "ds4ref.model",
-         "SampleRNG": "ds4ref.sample", "Tokenizer": "ds4ref.tokenizer", "Trace": "ds4ref.trace",
-         "default_model_path": "ds4ref.writer", "write_model": "ds4ref.writer"}
+_LAZY = {
+    "Engine": "ds4ref.engine",
+    "Session": "ds4ref.engine",
+    "Snapshot": "ds4ref.engine",
+    "forward_token": "ds4ref.model",
+    "prefill": "ds4ref.model",
+    "SampleRNG": "ds4ref.sample",
+    "Tokenizer": "ds4ref.tokenizer",
+    "Trace": "ds4ref.trace",
+    "default_model_path": "ds4ref.writer",
+    "write_model": "ds4ref.writer",
+}
 
 
 def __getattr__(name):
