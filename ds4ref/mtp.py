@@ -157,12 +157,13 @@ def forward_rows(cfg, w, cache, tokens, pos0: int, be=NUMPY, steering=None):
     return np.stack([output_logits(cfg, w, X, be) for X in Xs]), Xs
 
 
-BATCH_IS_DECODE = ("numpy",)   # backends whose batch path is their decode path, bit for bit
+# backends whose batch path is their decode path, bit for bit
+BATCH_IS_DECODE = ("numpy",)
 
 
 def decode_rows(cfg, w, cache, tokens, pos0: int, be=NUMPY, steering=None, stop=None):
-    """forward_rows on forward_token's path, a token at a time: logits [T, n_vocab], final
-    HC states [T, n_hc, n_embd]; stop(i, logits_i) -> True ends it after token i.
+    """forward_rows on forward_token's path, a token at a time: logits [T, n_vocab],
+    final HC states [T, n_hc, n_embd]; stop(i, logits_i) -> True ends it after token i.
 
     The verifier where a backend's batch path differs from its decode path in the last
     ulp (numba's fused SiLU, chapter 9): greedy stays exact, without the batch's speed.
@@ -250,7 +251,8 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
     verifies the rest, the longest agreeing prefix is committed and the cache rewound
     past it (a snapshot, then a batch re-run of the kept drafts). The tokens are plain
     greedy decoding's. On a backend not in BATCH_IS_DECODE the drafts are decoded one by
-    one instead (decode_rows), which keeps that guarantee and gives up the batch's speed.
+    one instead (decode_rows), which keeps that guarantee and gives up the batch's
+    speed.
     Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
     _check_speculative(s, first_token, max_tokens, eos_token)
     e, cfg = s.engine, s.cfg
@@ -297,7 +299,7 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
             commit(drafts[:1], rows[0])                    # a plain decode of draft 0
             st.keep(P + 2)
             return
-        if not exact:                      # decode the drafts, stop after the first miss
+        if not exact:  # decode the drafts, stop after the first miss
             rows, _ = decode_rows(cfg, w, s._cache, drafts, P + 1, be, steer,
                                   stop=lambda i, lg: i + 1 < len(drafts)
                                   and sample_argmax(lg) != drafts[i + 1])
