@@ -60,3 +60,16 @@ def test_nbval_fails_on_a_stale_stored_output(tmp_path):
                        capture_output=True, text=True, cwd=ROOT / "book")
     assert r.returncode == 1, r.stdout[-2000:]
     assert "ratio 0: 2 layers" in r.stdout and "1 failed" in r.stdout
+
+
+def test_code_cells_fit_the_rendered_page():
+    """The rendered book clips code past 88 columns: every code cell line must fit."""
+    too_long = []
+    for chapter in sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb")):
+        for i, cell in enumerate(json.loads(chapter.read_text())["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            for n, line in enumerate("".join(cell["source"]).split("\n"), 1):
+                if len(line) > 88:
+                    too_long.append(f"{chapter.name} cell {i} line {n}: {len(line)} columns")
+    assert not too_long, "\n".join(too_long)
