@@ -18,6 +18,7 @@ _LAZY = {
     "Tokenizer": "ds4ref.tokenizer",
     "Trace": "ds4ref.trace",
     "default_model_path": "ds4ref.writer",
+    "synthetic_model_path": "ds4ref.writer",
     "write_model": "ds4ref.writer",
 }
 

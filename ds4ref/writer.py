@@ -379,10 +379,12 @@ def train_bpe(text: str, n_tokens: int) -> tuple[tuple[str, str], ...]:
     return tuple(merges)
 
 
-def tokenizer_metadata(n_vocab: int) -> list[tuple[str, tuple, object]]:
+def tokenizer_metadata(
+    n_vocab: int, text: str | None = None
+) -> list[tuple[str, tuple, object]]:
     """A byte-level BPE vocabulary of n_vocab tokens: BOS, EOS, the 256 byte symbols,
-    ds4's other special tokens, learned merges, then placeholders, as tokenizer.ggml.*
-    entries.
+    ds4's other special tokens, merges learned on `text` (default: CORPUS), then
+    placeholders, as tokenizer.ggml.* entries.
 
     Mirrors ds4.c: vocab_load (l. 14789), the keys it reads"""
     bos, eos, *others = SPECIAL_TOKENS
@@ -392,7 +394,7 @@ def tokenizer_metadata(n_vocab: int) -> list[tuple[str, tuple, object]]:
             f"metadata key 'deepseek4.vocab_size': {n_vocab} is too small for the "
             f"{len(fixed)} byte and special tokens"
         )
-    merges = train_bpe(CORPUS, n_vocab - len(fixed))
+    merges = train_bpe(CORPUS if text is None else text, n_vocab - len(fixed))
     tokens = fixed + list(dict.fromkeys(a + b for a, b in merges))
     n_learned = len(tokens) - len(fixed)
     tokens += [f"<｜place▁holder▁no▁{i}｜>" for i in range(n_vocab - len(tokens))]
@@ -481,9 +483,9 @@ DEFAULT_SEED = 7
 WRITER_VERSION = 1
 
 
-def default_model_path() -> Path:
-    """The bundled model of `python -m ds4ref`: the tiny shape, seed 7, generated on
-    first use.
+def synthetic_model_path() -> Path:
+    """The synthetic tiny model: the tiny shape with seed 7's random weights, generated on
+    first use. The ds4.c and llama.cpp records of data/ were made on it.
 
     Lives in $DS4REF_CACHE or ~/.cache/ds4ref; the name carries the writer version.
 
@@ -499,6 +501,27 @@ def default_model_path() -> Path:
             name=f"ds4ref-tiny-seed{DEFAULT_SEED}",
         )
     return path
+
+
+BUNDLED = "ds4ref-tiny-trained"
+
+
+def bundled_path(suffix: str = "") -> Path:
+    """A file of the bundled trained model in ds4ref/models (appendix B)."""
+    import ds4ref
+
+    path = Path(ds4ref.__file__).resolve().parent / "models" / f"{BUNDLED}{suffix}.gguf"
+    if not path.exists():
+        raise GGUFError(f"bundled model file {path} is missing: reinstall ds4ref")
+    return path
+
+
+def default_model_path() -> Path:
+    """The bundled model of `python -m ds4ref`: the tiny shape trained on the docstrings
+    of Python's standard library and quantized to ds4's mix (appendix B), 12 MB.
+
+    Mirrors ds4.c: none (ds4.c needs the real 86.7 GB GGUF)"""
+    return bundled_path()
 
 
 def write_mtp_model(path, cfg: ModelConfig, seed: int = 0, *, name: str | None = None,
@@ -522,13 +545,20 @@ def write_mtp_model(path, cfg: ModelConfig, seed: int = 0, *, name: str | None =
     return write_gguf(path, meta, tensors)
 
 
-def default_mtp_path() -> Path:
-    """The bundled model's MTP GGUF (same folder, same seed), written on first use.
+def synthetic_mtp_path() -> Path:
+    """The synthetic model's MTP GGUF (same folder, same seed), written on first use.
 
     Mirrors ds4.c: none (ds4.c's MTP GGUF ships beside the real model)"""
-    main = default_model_path()
+    main = synthetic_model_path()
     path = main.with_name(main.stem + "-mtp.gguf")
     if not path.exists():
         write_mtp_model(path, ModelConfig.tiny(), DEFAULT_SEED,
                         name=f"ds4ref-tiny-seed{DEFAULT_SEED}-mtp")
     return path
+
+
+def default_mtp_path() -> Path:
+    """The bundled model's MTP GGUF, trained with it (appendix B), in ds4ref/models.
+
+    Mirrors ds4.c: none (ds4.c's MTP GGUF ships beside the real model)"""
+    return bundled_path("-mtp")

@@ -66,13 +66,23 @@ def _have_cuda_gpu() -> bool:
         return False
 
 
+def _torch_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
+
+
 def pytest_collection_modifyitems(config, items):
-    if _have_cuda_gpu():
-        return
-    skip = pytest.mark.skip(reason="no CUDA GPU with CuPy on this machine (GPU tests run on a lent device)")
+    """GPU tests skip without a CUDA GPU; appendix B (training, PyTorch: an optional dependency,
+    `pip install -e .[train]`) skips without torch. Each skip says why."""
+    gpu = _have_cuda_gpu()
+    torch_ok = _torch_available()
+    skip_gpu = pytest.mark.skip(reason="no CUDA GPU with CuPy on this machine (GPU tests run on a lent device)")
+    skip_torch = pytest.mark.skip(reason="appendix B needs PyTorch: pip install -e .[train]")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if not gpu and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if not torch_ok and Path(str(item.fspath)).name == "12_training.ipynb":
+            item.add_marker(skip_torch)
 
 
 def have_nvcc() -> bool:

@@ -457,6 +457,12 @@ def _llama_mtp():
     return np.load(data / "mtp_tiny_seed7.npz")
 
 
+def _synthetic_engine():
+    """The seed-7 synthetic model and its MTP GGUF, on which llama.cpp was recorded."""
+    from ds4ref.writer import synthetic_model_path, synthetic_mtp_path
+    return Engine.open(synthetic_model_path(), backend="numpy", mtp_path=synthetic_mtp_path())
+
+
 def _ds4ref_mtp_steps(rec):
     """mtp_draft_step on the recorded inputs, one MTP cache: logits [N, V], outputs
     [N, 4, E]."""
@@ -464,7 +470,7 @@ def _ds4ref_mtp_steps(rec):
     from ds4ref.mtp import MTP_IL, mtp_draft_step
     from ds4ref.writer import WRITER_VERSION
     assert int(rec["writer_version"]) == WRITER_VERSION
-    eng = Engine.open(backend="numpy")
+    eng = _synthetic_engine()
     cache = LayerCache(eng.cfg, MTP_IL, 64)
     out = [mtp_draft_step(eng.cfg, eng.weights, eng.mtp, cache, int(t), int(p), h)
            for t, p, h in zip(rec["tokens"], rec["pos"], rec["h_in"])]
@@ -504,7 +510,7 @@ def test_mtp_stages_against_llama_cpp():
     from ds4ref.mtp import mtp_input_hc, mtp_output_logits
     from ds4ref.quant import f16_round, fp8_kv_quantize_row
     rec = _llama_mtp()
-    eng = Engine.open(backend="numpy")
+    eng = _synthetic_engine()
     cfg, w, m = eng.cfg, eng.weights, eng.mtp
     s = {k[6:]: rec[k] for k in rec.files if k.startswith("stage_")}
     tok, h = int(rec["tokens"][0]), rec["h_in"][0]

@@ -136,10 +136,10 @@ def _yardstick_case(case: str, request):
         return request.getfixturevalue(f"golden_{case}"), request.getfixturevalue(f"runs_{case}")
     if case not in _FREE_RUNS:
         import hashlib
-        from ds4ref.writer import default_model_path
+        from ds4ref.writer import synthetic_model_path
         spec = REBUILD_CASES[case]
         golden = np.load(ROOT / spec["golden"])
-        path = default_model_path() if spec["model"] == "bundled" else ROOT / spec["model"]
+        path = synthetic_model_path() if spec["model"] == "bundled" else ROOT / spec["model"]
         if "model_sha256" in golden.files:
             assert hashlib.sha256(path.read_bytes()).hexdigest() == str(golden["model_sha256"]), \
                 f"{path} is not the model ds4.c ran for case {case} (writer output changed?)"

@@ -27,7 +27,7 @@ import ds4ref
 from ds4ref.config import ModelConfig, config_from_metadata
 from ds4ref.gguf import GGMLType, GGUFError, GGUFFile, GGUFValueType as V, type_nbytes
 from ds4ref.weights import bind_weights, check_tokenizer_metadata, load_model, tensor_specs
-from ds4ref.writer import (TensorData, default_model_path, model_metadata, model_tensors, train_bpe,
+from ds4ref.writer import (TensorData, default_model_path, synthetic_model_path, model_metadata, model_tensors, train_bpe,
                            CORPUS, write_gguf, write_model)
 
 DEFAULT_MODEL_SHA256 = "b83839d07adb619596e1f57cdbb9925eddad4eb2d8bf2e92ad67c4535dffa36d"
@@ -266,11 +266,11 @@ def test_tokenizer_has_ds4_special_tokens_and_real_merges(micro_path, oracle_ggu
     assert len(train_bpe(CORPUS, 2000)) > 600
 
 
-def test_default_model_is_generated_once_and_validates(tmp_path, monkeypatch):
+def test_synthetic_model_is_generated_once_and_validates(tmp_path, monkeypatch):
     monkeypatch.setenv("DS4REF_CACHE", str(tmp_path / "cache"))
-    p = default_model_path()
+    p = synthetic_model_path()
     first = p.stat().st_mtime_ns
-    assert default_model_path() == p and p.stat().st_mtime_ns == first
+    assert synthetic_model_path() == p and p.stat().st_mtime_ns == first
     g, cfg, w = load_model(p)
     with g:
         assert cfg == ModelConfig.tiny() and len(w.tensors()) == 178

@@ -147,10 +147,10 @@ def test_mtp_for_llama_writes_llamas_nextn_layout(tmp_path):
     (block_count 7, nextn_predict_layers 1, a 7th ratio / clamp entry), no trunk layer, the block's
     tensors under blk.6, eh_proj = e_proj and h_proj side by side, the HC head and head norm the
     block's, embedding and LM head the target's."""
-    from ds4ref.writer import default_model_path, default_mtp_path
+    from ds4ref.writer import synthetic_model_path, synthetic_mtp_path
     tool = _tool("mtp_for_llama")
-    dst = tool.write_mtp_for_llama(default_model_path(), default_mtp_path(), tmp_path / "m.gguf")
-    r, main, mtp = (gguf.GGUFReader(str(p)) for p in (dst, default_model_path(), default_mtp_path()))
+    dst = tool.write_mtp_for_llama(synthetic_model_path(), synthetic_mtp_path(), tmp_path / "m.gguf")
+    r, main, mtp = (gguf.GGUFReader(str(p)) for p in (dst, synthetic_model_path(), synthetic_mtp_path()))
     val = lambda k: r.get_field(k).contents()
     assert val("deepseek4.block_count") == 7 and val("deepseek4.nextn_predict_layers") == 1
     assert val("deepseek4.attention.compress_ratios") == [0, 0, 4, 128, 4, 128, 0]

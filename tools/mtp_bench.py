@@ -1,6 +1,6 @@
 """Measure what speculative decoding costs on ds4ref (chapter 11's cost model reads the result).
 
-On the bundled model (or -m MODEL with --mtp PATH), one backend, after a prompt of --prompt tokens:
+On the bundled trained model (or -m MODEL with --mtp PATH), one backend, after a prompt of --prompt tokens:
 - decode_s: one plain decode step (Session.eval), the fastest of --reps (all times are);
 - verify_s[k]: one batched forward of k tokens on the live cache (ds4ref.mtp.forward_rows), k = 1..8;
 - draft_s: one MTP draft step (ds4ref.mtp.mtp_draft_step);
@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--text", type=Path, default=None,
+                    help="prompt from this text file (BOS + its first --prompt - 1 tokens) "
+                    "instead of random token ids")
     ap.add_argument("--out", type=Path, default=ROOT / "book" / "results" / "mtp_bench.json")
     args = ap.parse_args(argv)
 
@@ -58,6 +61,8 @@ def main(argv=None) -> int:
     cfg, w, be = eng.cfg, eng.weights, eng.backend
     rng = np.random.default_rng(11)
     prompt = [0] + rng.integers(2, cfg.n_vocab, args.prompt - 1).tolist()
+    if args.text is not None:
+        prompt = [0] + eng.tokenizer.encode(args.text.read_text())[:args.prompt - 1]
     s = eng.session(args.prompt + args.tokens + 32)
     s.sync(prompt)
     s.eval(s.argmax())                                   # warm-up: first touch of the decode path
@@ -112,7 +117,9 @@ def main(argv=None) -> int:
         "prompt_tokens": args.prompt, "reps": args.reps, "timing": "fastest of reps",
         "decode_s": decode_s, "verify_s": {str(k): v for k, v in verify.items()},
         "draft_s": draft_s, "snapshot_s": snapshot_s, "acceptance": counts,
-        "note": "random weights: the MTP block's drafts agree with the target about as often as chance",
+        "prompt_text": None if args.text is None else str(args.text.relative_to(ROOT)),
+        "note": ("random weights: the MTP block's drafts agree with the target about as often as chance"
+                 if "trained" not in eng.path.name else "the bundled trained model and its trained MTP head"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -44,7 +44,7 @@ VARIANTS = {   # name -> compiler flags; "golden" is ds4.c's Makefile (CPU objec
 
 
 # name -> (golden file, model): the model is a path relative to the repository, or "bundled" for the model
-# ds4ref.writer.default_model_path() writes. Add a case with --case NAME=GOLDEN.npz:MODEL.gguf (both inside
+# ds4ref.writer.synthetic_model_path() writes. Add a case with --case NAME=GOLDEN.npz:MODEL.gguf (both inside
 # the repository, e.g. under data/oracle/): the golden file needs the arrays of data/oracle/README.md's
 # table (prompt_ids, prompt_logits, step_logits, greedy_tokens, stream_*, trace_*_expert_ids/_margin).
 CASES = {"A": ("data/oracle/golden_A.npz", "data/oracle/dev_seed1.gguf"),
@@ -53,8 +53,8 @@ CASES = {"A": ("data/oracle/golden_A.npz", "data/oracle/dev_seed1.gguf"),
 
 
 def model_path(model: str) -> Path:
-    from ds4ref.writer import default_model_path
-    return default_model_path() if model == "bundled" else ROOT / model
+    from ds4ref.writer import synthetic_model_path
+    return synthetic_model_path() if model == "bundled" else ROOT / model
 
 
 def cases(extra: dict | None = None) -> dict:

@@ -120,15 +120,24 @@ def bundled_prompt(n_vocab: int) -> list[int]:
     return [0] + [rnd.randrange(2, n_vocab) for _ in range(BUNDLED_PROMPT - 1)]
 
 
-def record_bundled(build: Path, work: Path) -> None:
-    """Case "bundled" in the golden files' layout (data/oracle/README.md), from ds4.c's Makefile build."""
+def trained_prompt() -> list[int]:
+    """BOS and the first 159 tokens of data/trained/heldout.txt in the bundled model's vocab."""
+    from ds4ref.engine import Engine
+    text = (ROOT / "data" / "trained" / "heldout.txt").read_text()
+    return [0] + Engine.open(backend="numpy").tokenizer.encode(text)[:BUNDLED_PROMPT - 1]
+
+
+def record_bundled(build: Path, work: Path, trained: bool = False) -> None:
+    """Case "bundled" (the seed-7 synthetic model, random prompt ids) or, with trained=True,
+    case "trained" (the bundled trained model, held-out text) in the golden files' layout
+    (data/oracle/README.md), from ds4.c's Makefile build."""
     from ds4ref.config import ModelConfig
     from ds4ref.gguf import GGUFFile
-    from ds4ref.writer import default_model_path
-    model = default_model_path()
+    from ds4ref.writer import default_model_path, synthetic_model_path
+    model = default_model_path() if trained else synthetic_model_path()
     with GGUFFile(model) as g:
         cfg = ModelConfig.from_gguf(g)
-    prompt = bundled_prompt(cfg.n_vocab)
+    prompt = trained_prompt() if trained else bundled_prompt(cfg.n_vocab)
     out = {"prompt_ids": np.array(prompt, np.int32),
            "model_sha256": np.array(hashlib.sha256(model.read_bytes()).hexdigest()), "model_name": np.array(model.name)}
     for path, (tokens_key, first_key, steps_key) in PATHS.items():
@@ -138,7 +147,7 @@ def record_bundled(build: Path, work: Path) -> None:
         out[steps_key], out[tokens_key] = logits[n_first:], fed.astype(np.int32)
         ids, margin = read_expert_log(log, path, len(prompt), len(fed), cfg.n_expert, cfg.n_expert_used)
         out[f"trace_{path}_expert_ids"], out[f"trace_{path}_expert_margin"] = ids.astype(np.int32), margin
-    np.savez_compressed(ORACLE / "ds4c_bundled.npz", **out)
+    np.savez_compressed(ORACLE / ("ds4c_trained.npz" if trained else "ds4c_bundled.npz"), **out)
 
 
 STEER_PROMPT, STEER_STEPS, STEER_SEED = 48, 8, 1105
@@ -201,8 +210,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", type=Path, required=True)
     ap.add_argument("--steering", action="store_true", help="record only the directional steering case")
+    ap.add_argument("--trained", action="store_true",
+                    help="record only the bundled trained model: case 'trained' and its tokenizer")
     args = ap.parse_args()
     build = args.build
+    if args.trained:
+        with tempfile.TemporaryDirectory() as tmp:
+            t = Path(tmp)
+            (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")
+            (t / "rendered").write_bytes(b"\0".join(s.encode() for s in RENDERED) + b"\0")
+            (t / "chats").write_bytes(b"".join(b"\0".join(x.encode() for x in c) + b"\0" for c in CHATS))
+            from ds4ref.writer import default_model_path
+            path = ORACLE / "ds4c_tokenizer.json"
+            tok = json.loads(path.read_text())
+            tok["trained"] = record_tokenizer(build, t, default_model_path())
+            path.write_text(json.dumps(tok, ensure_ascii=False, indent=0) + "\n")
+            record_bundled(build, t / "trained", trained=True)
+        print("wrote", ORACLE / "ds4c_trained.npz", "and key 'trained' of", ORACLE / "ds4c_tokenizer.json")
+        return
     if args.steering:
         with tempfile.TemporaryDirectory() as tmp:
             record_steering(build, Path(tmp))
@@ -213,9 +238,9 @@ def main() -> None:
         (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")
         (t / "rendered").write_bytes(b"\0".join(s.encode() for s in RENDERED) + b"\0")
         (t / "chats").write_bytes(b"".join(b"\0".join(x.encode() for x in c) + b"\0" for c in CHATS))
-        from ds4ref.writer import default_model_path
+        from ds4ref.writer import synthetic_model_path
         tok = record_tokenizer(build, t, MODEL)                      # the oracle's vocab (761 merges)
-        tok["bundled"] = record_tokenizer(build, t, default_model_path())   # the writer's trained vocab
+        tok["bundled"] = record_tokenizer(build, t, synthetic_model_path())   # the writer's trained vocab
         (ORACLE / "ds4c_tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False, indent=0) + "\n")
 
         rows = list(itertools.product(*SAMPLE_GRID.values(), SEEDS))

@@ -92,12 +92,13 @@ def run_llama(exe, model, toks, pos, h_in, n_vocab, dump=None):
 def main(outdir, dst="data/llama_cpp/mtp_tiny_seed7.npz"):
     from ds4ref.checks import rel
     from ds4ref.engine import Engine
-    from ds4ref.writer import WRITER_VERSION, default_model_path, default_mtp_path
-    eng = Engine.open(backend="numpy")
+    from ds4ref.writer import WRITER_VERSION, synthetic_model_path, synthetic_mtp_path
+    eng = Engine.open(synthetic_model_path(), backend="numpy",
+                      mtp_path=synthetic_mtp_path())
     exe = Path(outdir) / "bin" / "llama-mtp-logits"
     toks, pos, h_in, ours, ours_h = ds4ref_inputs(eng)
     with tempfile.TemporaryDirectory() as d:
-        model = write_mtp_for_llama(default_model_path(), default_mtp_path(),
+        model = write_mtp_for_llama(synthetic_model_path(), synthetic_mtp_path(),
                                     Path(d) / "tiny.mtp.llama.gguf")
         lg, hn = run_llama(exe, model, toks, pos, h_in, eng.cfg.n_vocab)
         run_llama(exe, model, toks[:1], pos[:1], h_in[:1], eng.cfg.n_vocab, Path(d) / "dump")

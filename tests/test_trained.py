@@ -1,0 +1,59 @@
+"""The bundled trained model (appendix B): it is the shipped file, both GGUFs load, and its
+held-out perplexity, recomputed with ds4ref's own numpy forward, is the recorded one and far
+below the perplexity of the text's own unigram distribution."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4ref.config import ModelConfig
+from ds4ref.engine import Engine
+from ds4ref.train.perplexity import log_softmax, perplexity, sequence_nll, unigram_perplexity
+
+ROOT = Path(__file__).resolve().parents[1]
+REC = json.loads((ROOT / "book" / "results" / "trained.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return Engine.open(backend="numpy")
+
+
+def test_bundled_model_is_the_shipped_trained_pair(trained):
+    from ds4ref.writer import default_model_path, default_mtp_path
+    main, mtp = default_model_path(), default_mtp_path()
+    assert main.name == "ds4ref-tiny-trained.gguf" and mtp.name == "ds4ref-tiny-trained-mtp.gguf"
+    assert trained.cfg == ModelConfig.tiny() and trained.has_mtp
+    sizes = {p.name: p.stat().st_size for p in (main, mtp)}
+    assert sizes == REC["files"] and sum(sizes.values()) < 20e6
+
+
+def test_unigram_perplexity_formula():
+    # predicted tokens 1, 1, 2: p(1) = 2/3, p(2) = 1/3
+    want = math.exp(-(2 * math.log(2 / 3) + math.log(1 / 3)) / 3)
+    assert unigram_perplexity([0, 1, 1, 2]) == pytest.approx(want, rel=1e-12)
+    assert perplexity(np.log([2.0, 8.0])) == pytest.approx(4.0)
+    z = np.array([[1.0, 2.0, 3.0]])
+    assert np.exp(log_softmax(z)).sum() == pytest.approx(1.0)
+
+
+def test_heldout_perplexity_is_recorded_and_far_below_unigram(trained):
+    text = (ROOT / "data" / "trained" / "heldout.txt").read_text()
+    ids = [0] + trained.tokenizer.encode(text)
+    assert len(ids) - 1 == REC["heldout_ppl_tokens"]
+    ppl = perplexity(sequence_nll(trained.cfg, trained.weights, ids))
+    assert ppl == pytest.approx(REC["heldout_ppl"], rel=1e-3)
+    uni = unigram_perplexity(ids)
+    assert uni == pytest.approx(REC["heldout_unigram_ppl"], rel=1e-6)
+    assert ppl < 0.5 * uni, (ppl, uni)
+
+
+def test_perplexity_tools_do_not_need_torch():
+    code = "import sys, ds4ref.train.perplexity; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
