@@ -165,8 +165,8 @@ def bench_matvec(
     and the ratio to the read bandwidth measured in the same run. A backend "numba:1" is
     numba on one thread. Writes book/results/matvec_bench.json.
     Mirrors ds4.c: nothing (benchmark harness)"""
-    from ds4ref.numba_kernels import NUMBA
-    bes = {"numpy": NUMPY, "numba": NUMBA}
+    from ds4ref.backends import get_backend
+    bes = {"numpy": NUMPY, "numba": get_backend("numba", strict=True)}
     all_threads = numba.get_num_threads()
     rng = np.random.default_rng(seed)
     # 2x the weight pool: far beyond the last-level cache

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import numpy as np
 from numba import config, get_num_threads, njit, prange, set_num_threads
 
-from ds4ref.backend import NumpyBackend
 from ds4ref.matvec import (
     MatvecError,
     q8_0_fields,
@@ -346,6 +345,13 @@ def _q2_K_row_simd(block, w, r, yq, yd, ybs, t, lut):
     return acc
 
 
+# Twins on purpose (here, for IQ2_XXS below and in chapter 9's expert kernels): a kernel
+# that took its block function as an argument, or a closure made per block function,
+# compiles, but numba keys its disk cache on that function object and never hits it, so
+# it would recompile (tens of seconds) in every process; and one kernel cannot branch
+# between the AVX2 and AVX-512 blocks, since LLVM cannot compile an AVX-512 intrinsic
+# for a CPU without it (nor an x86 one for ARM). So one kernel per instruction set, and
+# the shared row code (_q2_K_row_simd) takes the block as a compile-time global.
 @njit(parallel=True, cache=True)
 def q2_K_avx2_kernel(w, yq, yd, ybs, lut, out):
     """As q2_K_kernel (yq int8 here, each array's rows contiguous), each block by AVX2
@@ -365,27 +371,34 @@ def q2_K_avx512_kernel(w, yq, yd, ybs, lut, out):
             out[t, r] = _q2_K_row_simd(_q2_K_block_avx512, w, r, yq, yd, ybs, t, lut)
 
 
-def q2_K_simd_kernels() -> list:
-    """The byte-dot Q2_K kernels the host CPU runs, widest first (empty: use
-    q2_K_kernel), from llvmlite's host features. Needs numba to compile for the host
-    (NUMBA_CPU_NAME unset): a generic target may lack the instructions.
+def host_simd() -> frozenset:
+    """The byte-dot instruction sets ("avx2", "avx512bw") that the numba kernels may use
+    on this CPU, from llvmlite's host features; none where numba compiles for another
+    target (NUMBA_CPU_NAME set: a generic target may lack them) or the features cannot
+    be read. The one CPU probe of ds4ref (chapter 9's fused kernels use it too).
     Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1772) (which picks its NEON path at compile
     time)"""
     if config.CPU_NAME not in (None, "host"):
-        return []
+        return frozenset()
     try:
         features = _llvm_binding.get_host_cpu_features()
     except RuntimeError:  # llvmlite cannot read the features on some hosts
-        return []
-    return [
-        k
-        for k, f in ((q2_K_avx512_kernel, "avx512bw"), (q2_K_avx2_kernel, "avx2"))
-        if features.get(f, False)
-    ]
+        return frozenset()
+    return frozenset(f for f in ("avx2", "avx512bw") if features.get(f, False))
 
 
-# NumbaBackend's choice; None: q2_K_kernel
-Q2_K_SIMD = (q2_K_simd_kernels() or [None])[0]
+def simd_kernels(table) -> list:
+    """The kernels of `table` ((kernel, instruction set) pairs, widest first) that
+    host_simd() allows here; empty: use the portable kernel.
+    Mirrors ds4.c: nothing (a run-time choice where ds4.c's is at compile time)"""
+    have = host_simd()
+    return [kernel for kernel, needs in table if needs in have]
+
+
+# the byte-dot Q2_K kernels, widest first
+Q2_K_BYTE_DOT = ((q2_K_avx512_kernel, "avx512bw"), (q2_K_avx2_kernel, "avx2"))
+# the numba matvec's choice; None: q2_K_kernel
+Q2_K_SIMD = (simd_kernels(Q2_K_BYTE_DOT) or [None])[0]
 
 
 @njit(inline="always")
@@ -560,21 +573,10 @@ def iq2_xxs_pair_avx2_kernel(wg, wu, yq, yd, grid, masks, lut, out_g, out_u):
             )
 
 
-def iq2_xxs_simd_kernels() -> list:
-    """The byte-dot IQ2_XXS pair kernels the host CPU runs (empty: use
-    iq2_xxs_pair_kernel), as q2_K_simd_kernels.
-    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978) (portable C in ds4.c)"""
-    if config.CPU_NAME not in (None, "host"):
-        return []
-    try:
-        features = _llvm_binding.get_host_cpu_features()
-    except RuntimeError:
-        return []
-    return [iq2_xxs_pair_avx2_kernel] if features.get("avx2", False) else []
-
-
-# NumbaBackend's choice; None: iq2_xxs_pair_kernel
-IQ2_XXS_SIMD = (iq2_xxs_simd_kernels() or [None])[0]
+# the byte-dot IQ2_XXS pair kernels (one, AVX2)
+IQ2_XXS_BYTE_DOT = ((iq2_xxs_pair_avx2_kernel, "avx2"),)
+# the numba matvec's choice; None: iq2_xxs_pair_kernel
+IQ2_XXS_SIMD = (simd_kernels(IQ2_XXS_BYTE_DOT) or [None])[0]
 
 
 def _out(n_tok: int, rows: int) -> np.ndarray:
@@ -587,139 +589,131 @@ def _rows(w, ggml_type: int) -> np.ndarray:
     return np.ascontiguousarray(weight_rows(w, ggml_type))
 
 
-class NumbaBackend(NumpyBackend):
-    """The matvecs of `NumpyBackend`, run by the numba kernels above (same integer sums,
-    float32 outer sums)."""
-    name = "numba"
+def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
+    """As ds4ref.matvec.matvec_q8_0_prequant, by q8_0_kernel.
+    Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
+    raw = _rows(w, Q8_0)
+    (xq, xd), lead = q8_0_fields(a, row_elements(raw, Q8_0))
+    out = _out(len(xq), raw.shape[0])
+    run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=raw.shape[0])
+    return out.reshape(lead + (raw.shape[0],))
 
-    @staticmethod
-    def matvec_q8_0_prequant(w, a) -> np.ndarray:
-        """As ds4ref.matvec.matvec_q8_0_prequant, by q8_0_kernel.
-        Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
-        raw = _rows(w, Q8_0)
-        (xq, xd), lead = q8_0_fields(a, row_elements(raw, Q8_0))
-        out = _out(len(xq), raw.shape[0])
-        run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=raw.shape[0])
-        return out.reshape(lead + (raw.shape[0],))
 
-    @staticmethod
-    def matvec_f16(w, x) -> np.ndarray:
-        """As ds4ref.matvec.matvec_f16, by f16_kernel.
-        Mirrors ds4.c: matvec_f16 (l. 2841)"""
-        raw = _rows(w, F16)
-        n = row_elements(raw, F16)
-        x = np.asarray(x)
-        if x.ndim < 1 or x.shape[-1] != n:
-            raise MatvecError(
-                f"F16 matvec: x has shape {x.shape}, the weight rows have {n} values"
-            )
-        x2 = np.ascontiguousarray(x.reshape(-1, n), dtype=np.float32)
-        out = _out(len(x2), raw.shape[0])
+def numba_matvec_f16(w, x) -> np.ndarray:
+    """As ds4ref.matvec.matvec_f16, by f16_kernel.
+    Mirrors ds4.c: matvec_f16 (l. 2841)"""
+    raw = _rows(w, F16)
+    n = row_elements(raw, F16)
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[-1] != n:
+        raise MatvecError(
+            f"F16 matvec: x has shape {x.shape}, the weight rows have {n} values"
+        )
+    x2 = np.ascontiguousarray(x.reshape(-1, n), dtype=np.float32)
+    out = _out(len(x2), raw.shape[0])
+    run_kernel(
+        f16_kernel,
+        raw.view(np.uint16),
+        x2,
+        F16_TO_F32,
+        out,
+        rows=raw.shape[0],
+        # as matvec_f16 (l. 2841)
+        min_rows=1 if raw.shape[0] * n >= 262144 else 512,
+    )
+    return out.reshape(x.shape[:-1] + (raw.shape[0],))
+
+
+def numba_matvec_q2_K_q8_K(w, a) -> np.ndarray:
+    """As ds4ref.matvec.matvec_q2_K_q8_K, by Q2_K_SIMD where the CPU has byte dot
+    products, else q2_K_kernel.
+    Mirrors ds4.c: matvec_q2_k_worker (l. 3972)"""
+    raw = _rows(w, Q2_K)
+    (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, Q2_K))
+    out = _out(len(yq), raw.shape[0])
+    if Q2_K_SIMD is not None:  # byte dot products on the int8 activation as it is
         run_kernel(
-            f16_kernel,
-            raw.view(np.uint16),
-            x2,
+            Q2_K_SIMD,
+            raw,
+            np.ascontiguousarray(yq),
+            yd,
+            np.ascontiguousarray(ybs),
             F16_TO_F32,
             out,
             rows=raw.shape[0],
-            # as matvec_f16 (l. 2841)
-            min_rows=1 if raw.shape[0] * n >= 262144 else 512,
         )
-        return out.reshape(x.shape[:-1] + (raw.shape[0],))
-
-    @staticmethod
-    def matvec_q2_K_q8_K(w, a) -> np.ndarray:
-        """As ds4ref.matvec.matvec_q2_K_q8_K, by Q2_K_SIMD where the CPU has byte dot
-        products, else q2_K_kernel.
-        Mirrors ds4.c: matvec_q2_k_worker (l. 3972)"""
-        raw = _rows(w, Q2_K)
-        (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, Q2_K))
-        out = _out(len(yq), raw.shape[0])
-        if Q2_K_SIMD is not None:  # byte dot products on the int8 activation as it is
-            run_kernel(
-                Q2_K_SIMD,
-                raw,
-                np.ascontiguousarray(yq),
-                yd,
-                np.ascontiguousarray(ybs),
-                F16_TO_F32,
-                out,
-                rows=raw.shape[0],
-            )
-        # the int8 activation, widened to int16 once for all rows: the kernel then reads
-        # it without widening
-        else:
-            run_kernel(
-                q2_K_kernel,
-                raw,
-                yq.astype(np.int16),
-                yd,
-                ybs,
-                F16_TO_F32,
-                out,
-                rows=raw.shape[0],
-            )
-        return out.reshape(lead + (raw.shape[0],))
-
-    @staticmethod
-    def matvec_q4_K_q8_K(w, a) -> np.ndarray:
-        """As ds4ref.matvec.matvec_q4_K_q8_K, by q4_K_kernel.
-        Mirrors ds4_cuda.cu: dev_dot_q4_K_q8_K_block (l. 7989)"""
-        raw = _rows(w, Q4_K)
-        (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, Q4_K))
-        out = _out(len(yq), raw.shape[0])
-        run_kernel(q4_K_kernel, raw, yq, yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
-        return out.reshape(lead + (raw.shape[0],))
-
-    @staticmethod
-    def matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
-        """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K, by IQ2_XXS_SIMD where the CPU has
-        byte dot products, else iq2_xxs_pair_kernel.
-
-        Mirrors ds4.c: matvec_iq2_xxs_pair_worker (l. 3836)"""
-        g_raw, u_raw = _rows(w_gate, IQ2_XXS), _rows(w_up, IQ2_XXS)
-        if g_raw.shape != u_raw.shape:
-            raise MatvecError(
-                f"IQ2_XXS pair: gate {g_raw.shape} and up {u_raw.shape} do not match"
-            )
-        (yq, yd, _), lead = q8_K_fields(a, row_elements(g_raw, IQ2_XXS))
-        g, u = _out(len(yq), g_raw.shape[0]), _out(len(yq), g_raw.shape[0])
-        # the byte path negates int8 activations
-        if IQ2_XXS_SIMD is not None and not (yq == -128).any():
-            run_kernel(
-                IQ2_XXS_SIMD,
-                g_raw,
-                u_raw,
-                np.ascontiguousarray(yq),
-                yd,
-                IQ2XXS_GRID,
-                IQ2XXS_SIGN_MASKS,
-                F16_TO_F32,
-                g,
-                u,
-                rows=g_raw.shape[0],
-            )
-        else:
-            run_kernel(
-                iq2_xxs_pair_kernel,
-                g_raw,
-                u_raw,
-                yq,
-                yd,
-                IQ2XXS_GRID,
-                IQ2XXS_SIGNS,
-                F16_TO_F32,
-                g,
-                u,
-                rows=g_raw.shape[0],
-            )
-        shape = lead + (g_raw.shape[0],)
-        return g.reshape(shape), u.reshape(shape)
-
-    def matvec_iq2_xxs_q8_K(self, w, a) -> np.ndarray:
-        """One IQ2_XXS weight: the pair kernel with the weight as both halves.
-        Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
-        return self.matvec_iq2_xxs_pair_q8_K(w, w, a)[0]
+    # the int8 activation, widened to int16 once for all rows: the kernel then reads
+    # it without widening
+    else:
+        run_kernel(
+            q2_K_kernel,
+            raw,
+            yq.astype(np.int16),
+            yd,
+            ybs,
+            F16_TO_F32,
+            out,
+            rows=raw.shape[0],
+        )
+    return out.reshape(lead + (raw.shape[0],))
 
 
-NUMBA = NumbaBackend()
+def numba_matvec_q4_K_q8_K(w, a) -> np.ndarray:
+    """As ds4ref.matvec.matvec_q4_K_q8_K, by q4_K_kernel.
+    Mirrors ds4_cuda.cu: dev_dot_q4_K_q8_K_block (l. 7989)"""
+    raw = _rows(w, Q4_K)
+    (yq, yd, ybs), lead = q8_K_fields(a, row_elements(raw, Q4_K))
+    out = _out(len(yq), raw.shape[0])
+    run_kernel(q4_K_kernel, raw, yq, yd, ybs, F16_TO_F32, out, rows=raw.shape[0])
+    return out.reshape(lead + (raw.shape[0],))
+
+
+def numba_matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
+    """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K, by IQ2_XXS_SIMD where the CPU has
+    byte dot products, else iq2_xxs_pair_kernel.
+
+    Mirrors ds4.c: matvec_iq2_xxs_pair_worker (l. 3836)"""
+    g_raw, u_raw = _rows(w_gate, IQ2_XXS), _rows(w_up, IQ2_XXS)
+    if g_raw.shape != u_raw.shape:
+        raise MatvecError(
+            f"IQ2_XXS pair: gate {g_raw.shape} and up {u_raw.shape} do not match"
+        )
+    (yq, yd, _), lead = q8_K_fields(a, row_elements(g_raw, IQ2_XXS))
+    g, u = _out(len(yq), g_raw.shape[0]), _out(len(yq), g_raw.shape[0])
+    # the byte path negates int8 activations
+    if IQ2_XXS_SIMD is not None and not (yq == -128).any():
+        run_kernel(
+            IQ2_XXS_SIMD,
+            g_raw,
+            u_raw,
+            np.ascontiguousarray(yq),
+            yd,
+            IQ2XXS_GRID,
+            IQ2XXS_SIGN_MASKS,
+            F16_TO_F32,
+            g,
+            u,
+            rows=g_raw.shape[0],
+        )
+    else:
+        run_kernel(
+            iq2_xxs_pair_kernel,
+            g_raw,
+            u_raw,
+            yq,
+            yd,
+            IQ2XXS_GRID,
+            IQ2XXS_SIGNS,
+            F16_TO_F32,
+            g,
+            u,
+            rows=g_raw.shape[0],
+        )
+    shape = lead + (g_raw.shape[0],)
+    return g.reshape(shape), u.reshape(shape)
+
+
+def numba_matvec_iq2_xxs_q8_K(w, a) -> np.ndarray:
+    """One IQ2_XXS weight: the pair kernel with the weight as both halves.
+    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
+    return numba_matvec_iq2_xxs_pair_q8_K(w, w, a)[0]

@@ -19,8 +19,8 @@ import pytest
 
 from ds4ref import backends
 from ds4ref.backend import NUMPY
-from ds4ref.backends import (BACKENDS, HARDWARE, VERIFIED, BackendError, available_backends, backend_status,
-                             choose_backend, get_backend)
+from ds4ref.backends import (BACKENDS, HARDWARE, VERIFIED, BackendError, UnimplementedOpError, available_backends,
+                             backend_status, choose_backend, get_backend)
 from ds4ref.backends.cupy_backend import KERNEL_FILES, KERNEL_NAMES, kernel_source
 from ds4ref.engine import Engine, logit_agreement, replay_golden
 from ds4ref.matvec import MatvecError
@@ -153,7 +153,7 @@ def test_engine_opens_with_a_backend_name(oracle_gguf):
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 @pytest.mark.parametrize("ggml_type", [8, 16, 10])
 def test_quantized_matvec_equals_numpy_reference_on_random_weights(name, ggml_type):
-    be = get_backend(name)
+    be = get_backend(name, strict=True)
     rng = np.random.default_rng(ggml_type)
     rows, n = 48, 512
     raw = quantize(rng.standard_normal((rows, n)).astype(np.float32), ggml_type)
@@ -178,12 +178,12 @@ def test_f16_matvec_equals_numpy_reference(name):
     rng = np.random.default_rng(5)
     raw = rng.standard_normal((40, 256)).astype(np.float16).view(np.uint8)
     x = rng.standard_normal((2, 256)).astype(np.float32)
-    assert rel(get_backend(name).matvec_f16(raw, x), NUMPY.matvec_f16(raw, x)) <= 1e-6
+    assert rel(get_backend(name, strict=True).matvec_f16(raw, x), NUMPY.matvec_f16(raw, x)) <= 1e-6
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_matvecs_match_ds4c_oracle_from_its_quantized_inputs(name, model, ops_A):
-    be = get_backend(name)
+    be = get_backend(name, strict=True)
     _, W = model
     worst = {}
     for il in LAYERS:
@@ -209,7 +209,7 @@ def test_matvecs_match_ds4c_oracle_from_its_quantized_inputs(name, model, ops_A)
 
 
 def test_mlx_keeps_weights_quantized_in_memory(model):
-    be = get_backend("mlx")
+    be = get_backend("mlx", strict=True)
     _, W = model
     t = W.layers[3].ffn_gate_exps.expert(5)
     be.matvec_iq2_xxs_q8_K(t, quantize_q8_K(np.ones(t.data.shape[1] // 66 * 256, np.float32)))
@@ -219,7 +219,7 @@ def test_mlx_keeps_weights_quantized_in_memory(model):
 
 
 def test_bad_weight_or_activation_gives_named_errors():
-    be = get_backend("mlx")
+    be = get_backend("mlx", strict=True)
     raw = quantize(np.ones((4, 64), np.float32), 8)
     with pytest.raises(MatvecError, match="Q8_0"):
         be.matvec_q8_0_prequant(raw, quantize_q8_0(np.ones(32, np.float32)))
@@ -234,7 +234,7 @@ def test_bad_weight_or_activation_gives_named_errors():
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_routed_experts_match_ds4c_and_the_per_expert_reference(name, model, ops_A):
-    nb = get_backend(name)
+    nb = get_backend(name, strict=True)
     cfg, W = model
     for il in LAYERS:
         L = W.layers[il]
@@ -262,7 +262,7 @@ def test_numba_fused_expert_kernels_give_the_same_bits_on_either_path(model, ops
     from ds4ref.numba_kernels import IQ2_XXS_SIMD, Q2_K_SIMD
     assert (nbm.EXPERTS_MID_SIMD is None) == (IQ2_XXS_SIMD is None)          # chapter 03's choice decides
     assert (nbm.EXPERTS_DOWN_SIMD is None) == (Q2_K_SIMD is None)
-    nb = get_backend("numba")
+    nb = get_backend("numba", strict=True)
     cfg, W = model
 
     def both(fn):
@@ -300,7 +300,7 @@ def cached_rows(ops, K):
 @pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_attention_rows_matches_ds4c_and_the_reference(name, model, ops_A):
     from ds4ref.attention import attention_rows
-    nb = get_backend(name)
+    nb = get_backend(name, strict=True)
     _, W = model
     for il in LAYERS:
         for p in POSITIONS:
@@ -310,8 +310,11 @@ def test_attention_rows_matches_ds4c_and_the_reference(name, model, ops_A):
             heads = nb.attention_rows(ops_A[K + "q_rope"], rows, sinks, allowed, n_raw)
             assert rel(heads, ops_A[K + "heads"]) <= TOL
             assert rel(heads, attention_rows(ops_A[K + "q_rope"], rows, sinks, allowed, n_raw)) <= 1e-5
-    q = np.ones((2, 3, 8), np.float32)                        # batched input: the reference answers
-    assert nb.attention_rows(q, np.ones((2, 5, 8), np.float32), np.zeros(3, np.float32)).shape == (2, 3, 8)
+    q, kv, sinks = np.ones((2, 3, 8), np.float32), np.ones((2, 5, 8), np.float32), np.zeros(3, np.float32)
+    assert "attention_rows" in type(nb).partial                # batched input: declared, and refused when strict
+    with pytest.raises(UnimplementedOpError, match=f"'{name}'.*attention_rows for a batch of tokens"):
+        nb.attention_rows(q, kv, sinks)
+    assert get_backend(name).attention_rows(q, kv, sinks).shape == (2, 3, 8)    # not strict: the reference
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -321,7 +324,7 @@ def test_attention_rows_matches_ds4c_and_the_reference(name, model, ops_A):
 @pytest.mark.parametrize("path", ["batch", "stream"])
 @pytest.mark.parametrize("forced", [True, False])
 def test_whole_model_meets_the_oracle_bounds_case_C(name, path, forced, oracle_gguf, golden_C):
-    eng = Engine.open(oracle_gguf, backend=name)
+    eng = Engine.open(oracle_gguf, backend=get_backend(name, strict=True))
     run = replay_golden(eng, golden_C, path, forced, ctx_size=64)
     if path == "batch":
         ours = np.vstack([run["prompt_logits"][None], run["step_logits"]])
@@ -339,7 +342,7 @@ def test_numba_long_stream_with_forced_decisions_case_A(oracle_gguf, golden_A):
     """Case A token by token past the 128-row window, the first indexer selection (position 67) and the first
     ratio-128 row (127), with ds4.c's expert and indexer decisions replayed."""
     n = 160
-    run = replay_golden(Engine.open(oracle_gguf, backend="numba"), golden_A, "stream", True, n_prompt=n, n_steps=0)
+    run = replay_golden(Engine.open(oracle_gguf, backend=get_backend("numba", strict=True)), golden_A, "stream", True, n_prompt=n, n_steps=0)
     m = logit_agreement(run["pos_logits"], golden_A["stream_pos_logits"][:n])
     assert m["corr"].min() >= LOOSE["corr"] and m["max_abs"].max() <= LOOSE["max_abs"], (m["corr"].min(), m["max_abs"].max())
     assert m["mean_abs"].max() <= LOOSE["mean_abs"]
@@ -350,7 +353,7 @@ def test_numba_long_stream_with_forced_decisions_case_A(oracle_gguf, golden_A):
 
 @pytest.fixture(scope="module")
 def cupy_be():
-    return get_backend("cupy")
+    return get_backend("cupy", strict=True)
 
 
 @pytest.mark.gpu
@@ -487,7 +490,7 @@ def fake_cupy(monkeypatch):
 
 def test_cupy_glue_launches_every_kernel_with_the_signature_of_its_source(fake_cupy, model, ops_A):
     from ds4ref.backends.cupy_backend import CupyBackend
-    be = CupyBackend()
+    be = CupyBackend().strict()
     cfg, W = model
     L, K = W.layers[4], "L4.P131."
     ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
@@ -522,9 +525,9 @@ def test_bad_expert_ids_and_attention_shapes_raise_before_any_kernel_runs(name, 
     if name.startswith("cupy"):
         request.getfixturevalue("fake_cupy")
         from ds4ref.backends.cupy_backend import CupyBackend
-        be = CupyBackend()
+        be = CupyBackend().strict()
     else:
-        be = get_backend(name)
+        be = get_backend(name, strict=True)
     cfg, W = model
     L, K = W.layers[4], "L4.P131."
     a = q8k(ops_A, K + "q8k.ffn_gate_up_exps")

@@ -7,13 +7,16 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from ds4ref.backend import NUMPY, NumpyBackend
+from ds4ref.backend import (COMPOSED, EXTRA_OPS, NUMPY, OPS, Backend, BackendError, NumpyBackend,
+                            UnimplementedOpError, coverage)
+from ds4ref.backends import get_backend
+from ds4ref.backends.numba_backend import NumbaBackend
 from ds4ref.matvec import MatvecError, matvec_f16, matvec_q8_0, matvec_q8_0_prequant
-from ds4ref.numba_kernels import NUMBA, NumbaBackend
 from ds4ref.quant import Q8Act, Q8KAct, QuantError, quantize, quantize_q8_0, quantize_q8_K
 
 from _helpers import q8, q8k, rel
 
+NUMBA = get_backend("numba", strict=True)     # chapter 09's one numba class, built from chapter 03's functions
 BACKENDS = [NUMPY, NUMBA]
 TYPE_ID = {"F16": 1, "Q8_0": 8, "Q2_K": 10, "Q4_K": 12, "IQ2_XXS": 16}
 
@@ -336,9 +339,53 @@ def test_batched_activations_equal_one_token_at_a_time(model, ops_A):
 def test_backends_share_one_interface():
     assert NUMPY.name == "numpy" and NUMBA.name == "numba"
     assert isinstance(NUMBA, NumbaBackend) and issubclass(NumbaBackend, NumpyBackend)
-    for op in ("matvec_q8_0", "matvec_q8_0_prequant", "matvec_f16", "matvec_iq2_xxs_pair_q8_K",
-               "matvec_iq2_xxs_q8_K", "matvec_q2_K_q8_K", "matvec_q4_K_q8_K"):
+    for op in OPS + EXTRA_OPS:
         assert callable(getattr(NUMPY, op)) and callable(getattr(NUMBA, op))
+
+
+def test_the_contract_names_what_the_model_calls():
+    """OPS is the Protocol's methods, in order; every `be.<op>(` in the package is one of them."""
+    import re
+    from pathlib import Path
+    import ds4ref
+    members = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
+    assert tuple(members) == OPS and not set(OPS) & set(EXTRA_OPS)
+    called = set()
+    for path in Path(ds4ref.__file__).parent.glob("*.py"):
+        if path.name not in ("backend.py", "bench.py", "bench_engine.py"):
+            called |= set(re.findall(r"\bbe\.(\w+)\(", path.read_text()))
+    assert called == set(OPS), called ^ set(OPS)
+    assert isinstance(NUMPY, Backend) and isinstance(NUMBA, Backend)
+    assert coverage(NUMPY) == {op: "composed" if op in COMPOSED else "own" for op in OPS + EXTRA_OPS}
+
+
+def test_strict_mode_refuses_what_a_backend_does_not_run_itself(model):
+    class Half(NumpyBackend):
+        name = "half"
+        implements = frozenset({"matvec_f16"})
+        matvec_f16 = staticmethod(NUMPY.matvec_f16)
+    _, w = model
+    lw = w.layers[0]
+    x = np.ones(lw.ffn_gate_inp.shape[0], np.float32)
+    loose, strict = Half(), Half().strict()
+    assert np.array_equal(strict.matvec_f16(lw.ffn_gate_inp, x), loose.matvec_f16(lw.ffn_gate_inp, x))
+    assert loose.matvec_q8_0(lw.attn_kv, np.ones(256, np.float32)).shape == (256,)   # numpy, silently
+    for op, call in [("matvec_q8_0_prequant", lambda b: b.matvec_q8_0_prequant(lw.attn_kv, quantize_q8_0(x[:256]))),
+                     ("matvec_q8_0", lambda b: b.matvec_q8_0(lw.attn_kv, x[:256]))]:   # composed of a missing op
+        with pytest.raises(UnimplementedOpError, match=f"'half' \\(strict\\): {op} "):
+            call(strict)
+    assert issubclass(UnimplementedOpError, BackendError) and issubclass(UnimplementedOpError, NotImplementedError)
+    assert coverage(Half)["matvec_f16"] == "own" and coverage(Half)["matvec_q8_0"] == "numpy"
+
+
+def test_a_backend_cannot_misdeclare_what_it_implements():
+    with pytest.raises(BackendError, match="implements"):
+        class Liar(NumpyBackend):          # claims an op it does not override
+            implements = frozenset({"matvec_f16"})
+    with pytest.raises(BackendError, match="overrides"):
+        class Shy(NumpyBackend):           # overrides an op it does not declare
+            implements = frozenset()
+            matvec_f16 = staticmethod(NUMPY.matvec_f16)
 
 
 def test_numba_decode_matvec_allocates_only_its_output():

@@ -8,10 +8,12 @@ from llvmlite import binding as llvm
 
 import ds4ref.numba_kernels as nk
 from ds4ref.backend import NUMPY
+from ds4ref.backends import get_backend
 from ds4ref.matvec import weight_rows
 from ds4ref.quant import Q2_K, Q8KAct, quantize_q8_K
 
-KERNELS = nk.q2_K_simd_kernels()
+KERNELS = nk.simd_kernels(nk.Q2_K_BYTE_DOT)
+NUMBA = get_backend("numba", strict=True)
 
 
 def plain(raw, a: Q8KAct) -> np.ndarray:
@@ -69,25 +71,25 @@ def test_simd_equals_plain_kernel_on_extreme_blocks(kernel, saturate):
 
 
 def test_backend_uses_either_path_with_the_same_bits(monkeypatch):
-    """NumbaBackend with its SIMD choice, and forced onto q2_K_kernel (as on a CPU without the instructions)."""
+    """The numba backend with its SIMD choice, and forced onto q2_K_kernel (as on a CPU without the instructions)."""
     rng = np.random.default_rng(3)
     raw = q2_K_rows(rng, 600, 1024)                 # >= 512 rows: the threaded path
     a = quantize_q8_K(rng.standard_normal((2, 1024)).astype(np.float32))
     want = NUMPY.matvec_q2_K_q8_K(raw, a)
-    assert np.array_equal(nk.NUMBA.matvec_q2_K_q8_K(raw, a), want)
+    assert np.array_equal(NUMBA.matvec_q2_K_q8_K(raw, a), want)
     monkeypatch.setattr(nk, "Q2_K_SIMD", None)
-    assert np.array_equal(nk.NUMBA.matvec_q2_K_q8_K(raw, a), want)
+    assert np.array_equal(NUMBA.matvec_q2_K_q8_K(raw, a), want)
 
 
 def test_no_simd_kernels_for_a_generic_target(monkeypatch):
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    assert nk.q2_K_simd_kernels() == []
+    assert nk.host_simd() == frozenset() and nk.simd_kernels(nk.Q2_K_BYTE_DOT) == []
 
 
 # IQ2_XXS: the byte-dot pair kernel against the portable iq2_xxs_pair_kernel
 from ds4ref.quant import IQ2_XXS  # noqa: E402
 
-IQ2_KERNELS = nk.iq2_xxs_simd_kernels()
+IQ2_KERNELS = nk.simd_kernels(nk.IQ2_XXS_BYTE_DOT)
 
 
 def iq2_pair(kernel, signs, wg, wu, a: Q8KAct):
@@ -160,10 +162,10 @@ def test_iq2_backend_uses_either_path_with_the_same_bits(monkeypatch):
     odd.qs[1, 5] = -128
     for act in (a, odd):
         want = NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
-        got = nk.NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
+        got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     monkeypatch.setattr(nk, "IQ2_XXS_SIMD", None)
-    got = nk.NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
+    got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
     assert np.array_equal(got[0], NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, a)[0])
 
 
@@ -173,4 +175,4 @@ def test_iq2_simd_follows_the_host_features(monkeypatch):
         assert (nk.iq2_xxs_pair_avx2_kernel in IQ2_KERNELS) == bool(f.get("avx2", False))
     assert nk.IQ2_XXS_SIMD is (IQ2_KERNELS[0] if IQ2_KERNELS else None)
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    assert nk.iq2_xxs_simd_kernels() == []
+    assert nk.simd_kernels(nk.IQ2_XXS_BYTE_DOT) == []

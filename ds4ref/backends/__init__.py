@@ -10,7 +10,14 @@ import sys
 
 import numpy as np
 
-from ds4ref.backend import NUMPY, BackendError, NumpyBackend
+from ds4ref.backend import (
+    NUMPY,
+    OPS,
+    BackendError,
+    NumpyBackend,
+    UnimplementedOpError,
+    coverage,
+)
 from ds4ref.weights import f32_of
 
 BACKENDS = ("numpy", "numba", "mlx", "cupy")
@@ -147,11 +154,15 @@ def choose_backend(verified: dict | None = None) -> tuple[str, str]:
 
 
 _INSTANCES: dict[str, NumpyBackend] = {}
+_STRICT: dict[str, NumpyBackend] = {}
 
 
-def get_backend(name: str = "auto", verbose: bool = True) -> NumpyBackend:
+def get_backend(
+    name: str = "auto", verbose: bool = True, strict: bool = False
+) -> NumpyBackend:
     """The backend called `name` ('numpy', 'numba', 'mlx', 'cupy' or 'auto'), built once
-    and reused.
+    and reused; with `strict`, its strict view (`NumpyBackend.strict`: an op it does not
+    run itself raises UnimplementedOpError), also built once.
 
     'auto' takes `choose_backend()`'s pick (a backend verified on this kind of hardware)
     and, with `verbose`, says on stderr which and why. Raises BackendError for an
@@ -180,7 +191,11 @@ def get_backend(name: str = "auto", verbose: bool = True) -> NumpyBackend:
         else:
             from ds4ref.backends.cupy_backend import CupyBackend
             _INSTANCES[key] = CupyBackend()
-    return _INSTANCES[key]
+    if not strict:
+        return _INSTANCES[key]
+    if key not in _STRICT:
+        _STRICT[key] = _INSTANCES[key].strict()
+    return _STRICT[key]
 
 
 def row_mask(n_rows: int, allowed=None, n_raw=None) -> np.ndarray:

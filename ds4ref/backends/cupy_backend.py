@@ -8,7 +8,6 @@ from importlib import resources
 
 import numpy as np
 
-from ds4ref.attention import attention_rows as attention_rows_reference
 from ds4ref.backend import NumpyBackend
 from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
@@ -78,6 +77,20 @@ class CupyBackend(NumpyBackend):
     results come back per call.
     Mirrors ds4.c: the CUDA graph driver (l. 8082-14249), op by op"""
     name = "cupy"
+    implements = frozenset(
+        {
+            "matvec_q8_0_prequant",
+            "matvec_f16",
+            "matvec_iq2_xxs_pair_q8_K",
+            "matvec_q2_K_q8_K",
+            "attention_rows",
+            "routed_experts_mid",
+            "routed_experts_down",
+            "matvec_iq2_xxs_q8_K",
+        }
+    )
+    # not matvec_q4_K_q8_K: the model runs no Q4_K weight yet
+    partial = {"attention_rows": "a batch of tokens (q [T, n_head, D])"}
 
     def __init__(self, device: int = 0):
         import cupy as cp
@@ -479,7 +492,9 @@ class CupyBackend(NumpyBackend):
         cp = self.cp
         q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
         if q.ndim != 2 or kv.ndim != 2:
-            return attention_rows_reference(q, kv, sinks, allowed, n_raw)
+            return self.reference("attention_rows", "a batch of tokens")(
+                q, kv, sinks, allowed, n_raw
+            )
         n_head, D = q.shape
         R = kv.shape[0]
         sinks = f32_of(sinks)

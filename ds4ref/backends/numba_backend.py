@@ -7,13 +7,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ds4ref.attention import attention_rows as attention_rows_reference
+from ds4ref.backend import NumpyBackend
 from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
 from ds4ref.matvec import row_elements, weight_rows
-# chapter 03: the matvec kernels
-from ds4ref.numba_kernels import NumbaBackend as _MatvecBackend
+# chapter 03: the numba matvecs (the reference's signatures), and run_kernel, which
 # compiles with LLVM's SLP vectorizer on
-from ds4ref.numba_kernels import run_kernel
+from ds4ref.numba_kernels import (
+    numba_matvec_f16,
+    numba_matvec_iq2_xxs_pair_q8_K,
+    numba_matvec_iq2_xxs_q8_K,
+    numba_matvec_q2_K_q8_K,
+    numba_matvec_q4_K_q8_K,
+    numba_matvec_q8_0_prequant,
+    run_kernel,
+)
 # chapter 03's row kernels and tables (f16 bits -> float32; IQ2_XXS grid and signs,
 # flat), reused by the fused expert kernels below, so one row of an expert is computed
 # exactly as a plain matvec computes it
@@ -24,18 +31,15 @@ from ds4ref.numba_kernels import (
     _iq2_xxs_row,
     _q2_K_row,
 )
-# ... and its byte-dot blocks (llvmlite intrinsics; chosen from the host CPU's features,
-# as in chapter 03)
+# ... and its byte-dot rows and blocks (llvmlite intrinsics), chosen by chapter 03's one
+# CPU probe (simd_kernels over host_simd)
 from ds4ref.numba_kernels import (
-    IQ2_XXS_SIMD,
     IQ2XXS_SIGN_MASKS,
-    Q2_K_SIMD,
     _iq2_xxs_pair_row_avx2,
     _q2_K_block_avx2,
     _q2_K_block_avx512,
     _q2_K_row_simd,
-    q2_K_avx2_kernel,
-    q2_K_avx512_kernel,
+    simd_kernels,
 )
 from ds4ref.quant import quantize_q8_K
 
@@ -99,6 +103,10 @@ def experts_down_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
         out[r] = acc
 
 
+# The byte-dot twins of the two kernels above (and the AVX2 / AVX-512 pair of the down
+# kernel) stay separate kernels for chapter 03's reason (its comment at
+# q2_K_avx2_kernel): numba caches no kernel that takes its row function as an argument,
+# and LLVM compiles an intrinsic only for a CPU that has it.
 @njit(parallel=True, cache=True)
 def experts_mid_avx2_kernel(
     wg, wu, ids, rows, yq, yd, weights, clamp, grid, masks, lut, mid
@@ -144,10 +152,15 @@ def experts_down_avx512_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
         out[r] = acc
 
 
-# chapter 03's choice for this CPU decides these too (None: the portable kernels above)
-EXPERTS_MID_SIMD = experts_mid_avx2_kernel if IQ2_XXS_SIMD is not None else None
-EXPERTS_DOWN_SIMD = {q2_K_avx512_kernel: experts_down_avx512_kernel,
-                     q2_K_avx2_kernel: experts_down_avx2_kernel}.get(Q2_K_SIMD)
+# chosen by the same probe and in the same order as chapter 03's IQ2_XXS_SIMD and
+# Q2_K_SIMD (None: the portable kernels above)
+EXPERTS_MID_SIMD = (simd_kernels(((experts_mid_avx2_kernel, "avx2"),)) or [None])[0]
+EXPERTS_DOWN_SIMD = (
+    simd_kernels(
+        ((experts_down_avx512_kernel, "avx512bw"), (experts_down_avx2_kernel, "avx2"))
+    )
+    or [None]
+)[0]
 
 
 @njit(parallel=True, cache=True)
@@ -184,11 +197,32 @@ def sink_attention_kernel(q, kv, sinks, allowed, scale, out):
             out[h, i] *= inv
 
 
-class NumbaBackend(_MatvecBackend):
-    """Chapter 03's numba matvecs, plus the routed experts of one token in two parallel
-    kernels and the sink attention in one (no Python loop over experts or heads).
+class NumbaBackend(NumpyBackend):
+    """The one numba backend: chapter 03's numba matvecs, plus the routed experts of one
+    token in two parallel kernels and the sink attention in one (no Python loop over
+    experts or heads).
     Mirrors ds4.c: ds4_parallel_for (l. 770): the CPU path's row-parallel workers"""
     name = "numba"
+    implements = frozenset(
+        {
+            "matvec_q8_0_prequant",
+            "matvec_f16",
+            "matvec_iq2_xxs_pair_q8_K",
+            "matvec_q2_K_q8_K",
+            "attention_rows",
+            "routed_experts_mid",
+            "routed_experts_down",
+            "matvec_iq2_xxs_q8_K",
+            "matvec_q4_K_q8_K",
+        }
+    )
+    partial = {"attention_rows": "a batch of tokens (q [T, n_head, D])"}
+    matvec_q8_0_prequant = staticmethod(numba_matvec_q8_0_prequant)
+    matvec_f16 = staticmethod(numba_matvec_f16)
+    matvec_iq2_xxs_pair_q8_K = staticmethod(numba_matvec_iq2_xxs_pair_q8_K)
+    matvec_iq2_xxs_q8_K = staticmethod(numba_matvec_iq2_xxs_q8_K)
+    matvec_q2_K_q8_K = staticmethod(numba_matvec_q2_K_q8_K)
+    matvec_q4_K_q8_K = staticmethod(numba_matvec_q4_K_q8_K)
 
     def routed_experts_mid(
         self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0
@@ -274,12 +308,14 @@ class NumbaBackend(_MatvecBackend):
     def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
         """Sink attention with K = V of one token: q [n_head, D] over cached rows kv
         [R, D] -> heads [n_head, D]; the arguments of ds4ref.attention.attention_rows
-        (allowed masks the rows after the first n_raw). Batched inputs go to the
-        reference.
+        (allowed masks the rows after the first n_raw). A batch of tokens goes to the
+        reference (declared in `partial`).
         Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
         q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
         if q.ndim != 2 or kv.ndim != 2:
-            return attention_rows_reference(q, kv, sinks, allowed, n_raw)
+            return self.reference("attention_rows", "a batch of tokens")(
+                q, kv, sinks, allowed, n_raw
+            )
         sinks = f32_of(sinks)
         check_attention_args(q, kv, sinks)
         out = np.empty_like(q)
