@@ -173,10 +173,11 @@ def test_errors(oracle_vocab):
         Tokenizer.from_metadata({"tokenizer.ggml.tokens": tokens})
 
 
-@pytest.fixture(scope="module", params=["oracle", "bundled"])
+@pytest.fixture(scope="module", params=["oracle", "bundled", "trained"])
 def ds4c_tokenizer(request, oracle_dir, oracle_vocab):
-    """(ds4ref Tokenizer, ds4.c's own tokenizer output) on one vocab: the oracle model's (761 merges) or the
-    bundled model's (the writer's trained BPE). Recorded by tools/ds4c/record.py through ds4.h
+    """(ds4ref Tokenizer, ds4.c's own tokenizer output) on one vocab: the oracle model's (761 merges), the
+    synthetic model's (the writer's BPE on its corpus; key "bundled") or the bundled trained model's
+    (BPE on the standard library's docstrings; key "trained"). Recorded by tools/ds4c/record.py through ds4.h
     (ds4_tokenize_text, ds4_tokenize_rendered_chat, ds4_encode_chat_prompt, ds4_token_text) into
     data/oracle/ds4c_tokenizer.json."""
     import hashlib
@@ -184,8 +185,9 @@ def ds4c_tokenizer(request, oracle_dir, oracle_vocab):
     rec = json.loads((oracle_dir / "ds4c_tokenizer.json").read_text())
     if request.param == "oracle":
         return Tokenizer(*oracle_vocab), rec
-    rec = rec["bundled"]
-    path = synthetic_model_path()
+    from ds4ref.writer import default_model_path
+    rec = rec[request.param]
+    path = synthetic_model_path() if request.param == "bundled" else default_model_path()
     assert hashlib.sha256(path.read_bytes()).hexdigest() == rec["model_sha256"], f"{path} is not the model ds4.c ran"
     return Tokenizer.from_metadata(GGUFFile(path).metadata), rec
 

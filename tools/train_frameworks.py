@@ -74,7 +74,8 @@ def main() -> int:
         pass
     from ds4ref.bench_engine import run_stamp
     from ds4ref.train.ship import machine
-    out = dict(**run_stamp(), machine=machine(), threads=a.threads, repeats=a.repeats,
+    out = dict(**run_stamp(), machine=machine(), load_average=os.getloadavg(),
+               threads=a.threads, repeats=a.repeats,
                shapes=dict(bmm=BMM, mm=MM), rows=rows)
     for r in rows:
         print(f"{r['framework']:34s} bmm {r['bmm_gflops']:7.1f}  mm {r['mm_gflops']:7.1f} GFLOP/s")

@@ -160,7 +160,7 @@ def train(rec: Recipe, out_dir, cfg=None, docs=None, log=print) -> dict:
         opt.step()
         model.update_bias(stats, rec.bias_rate)
         row = dict(step=step + 1, seconds=round(time.time() - t0, 1))
-        row.update({k: round(float(v), 4) for k, v in ls.items()})
+        row.update({k: round(float(v.detach()), 4) for k, v in ls.items()})
         curves["steps"].append(row)
         if (step + 1) % rec.eval_every == 0 or step + 1 == rec.steps:
             loss = round(evaluate(model, held, tabs, rec), 4)

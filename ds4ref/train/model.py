@@ -15,7 +15,7 @@ from torch import nn
 from ds4ref.rope import rope_params, rope_theta
 from ds4ref.weights import tensor_specs
 
-# products take bfloat16 inputs and sum in float32 (AVX512-BF16: about 6x float32 here)
+# products take bfloat16 inputs and sum in float32 (faster on AVX512-BF16: section B.1)
 MATMUL_DTYPE = torch.bfloat16
 
 

@@ -64,11 +64,13 @@ def cases(extra: dict | None = None) -> dict:
             if (ROOT / golden).exists()}
 
 
-def run_variant(name: str, flags: str, ds4: Path, work: Path, extra: dict | None = None) -> dict:
+def run_variant(name: str, flags: str, ds4: Path, work: Path, extra: dict | None = None,
+                reuse: bool = False) -> dict:
     d = work / name
     model_any = ORACLE / "dev_seed1.gguf"                  # every case has the tiny shape
-    subprocess.run([str(ROOT / "tools/ds4c/build.sh"), str(ds4), str(model_any), str(d), *flags.split()],
-                   check=True, capture_output=True)
+    if not (reuse and (d / "ds4c_run").exists()):
+        subprocess.run([str(ROOT / "tools/ds4c/build.sh"), str(ds4), str(model_any), str(d), *flags.split()],
+                       check=True, capture_output=True)
     out = {}
     for case, (g, model) in cases(extra).items():
         n_prompt = len(g["prompt_ids"])
@@ -94,6 +96,8 @@ def main() -> None:
                     help="one more case (paths relative to the repository); repeatable")
     ap.add_argument("--out", type=Path, default=ORACLE / "rebuilds.npz",
                     help="where to write (the .json goes next to it); use another path with --only")
+    ap.add_argument("--reuse-builds", action="store_true",
+                    help="keep the builds already in --work (same source, same flags)")
     args = ap.parse_args()
     extra = {}
     for spec in args.case:
@@ -107,7 +111,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         print(f"{name:12s} {flags}", flush=True)
-        data.update(run_variant(name, flags, args.ds4, args.work, extra))
+        data.update(run_variant(name, flags, args.ds4, args.work, extra, args.reuse_builds))
     np.savez_compressed(args.out, **data)
     cc = subprocess.run([os.environ.get("CC", "gcc"), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
