@@ -107,9 +107,21 @@ class MlxCache:
 
     def __init__(self, cfg, ctx_size: int, mx, layers=None):
         self.mx, self.cfg, self.ctx_size = mx, cfg, int(ctx_size)
-        if layers is None:
-            layers = self._from(KVCache(cfg, ctx_size))
-        self.layers = layers
+        self.layers = self._empty() if layers is None else layers
+
+    def _empty(self) -> list[dict]:
+        """Zero rows and -1e30 scores made on the device (nothing uploaded), with
+        chapter 6's LayerCache shapes."""
+        mx, out = self.mx, []
+        for lc in KVCache(self.cfg, self.ctx_size).layers:
+            d = {k: getattr(lc, k) for k in self.COUNTS}
+            d["cap_raw"], d["ratio"], d["comp_cap"] = lc.cap_raw, lc.ratio, lc.comp_cap
+            for k in self.FIELDS:
+                v = getattr(lc, k)
+                fill = float(NEG_INF) if k.endswith("score") else 0.0
+                d[k] = None if v is None else mx.full(v.shape, fill, mx.float32)
+            out.append(d)
+        return out
 
     def _from(self, kv: KVCache) -> list[dict]:
         out = []
