@@ -52,6 +52,9 @@ class MlxBackend(NumpyBackend):
         bits = (ksigns_iq2xs[:, None] >> np.arange(8)) & 1
         # [128, 8] in {+1, -1}
         self._signs = mx.array((1 - 2 * bits).astype(np.int32))
+        # shift constants of the block decoders, made once (no upload per call)
+        self._sign_shifts = mx.array([0, 7, 14, 21], mx.uint32)
+        self._q2_shifts = mx.array([0, 2, 4, 6], mx.uint8).reshape(4, 1)
 
     def resident(self, raw: np.ndarray):
         """The MLX copy of a weight's raw bytes [rows, row_bytes], made once (the host
@@ -158,7 +161,7 @@ class MlxBackend(NumpyBackend):
         # [R, nb, 8, 1]
         aux = mx.view(groups[..., 4:], mx.uint32)
         # [R, nb, 8, 4]
-        sign_idx = ((aux >> mx.array([0, 7, 14, 21], mx.uint32)) & 127).astype(mx.int32)
+        sign_idx = ((aux >> self._sign_shifts) & 127).astype(mx.int32)
         vals = (
             mx.take(self._grid, idx, axis=0) * mx.take(self._signs, sign_idx, axis=0)
         ).reshape(R, nb, 8, 32)
@@ -182,7 +185,7 @@ class MlxBackend(NumpyBackend):
         mn = (blocks[..., :16] >> 4).astype(mx.int32)  # [..., nb, 16] mins
         # [..., nb, 2, 1, 32]
         qs = mx.expand_dims(blocks[..., 16:80].reshape(*blocks.shape[:-1], 2, 32), -2)
-        shifts = mx.array([0, 2, 4, 6], mx.uint8).reshape(4, 1)
+        shifts = self._q2_shifts
         # element e = 128h + 32j + l
         q = ((qs >> shifts) & 3).astype(mx.int32).reshape(*blocks.shape[:-1], 16, 16)
         d, dmin = self._f16(blocks, 80), self._f16(blocks, 82)
