@@ -6,10 +6,8 @@ import numpy as np
 
 from ds4ref.backend import NUMPY
 from ds4ref.norms import head_rms_norm, rms_norm_weight
-from ds4ref.weights import f32_of
-
-# ds4.c's finite "minus infinity" DS4_NEG_INF (l. 50): masked scores, max initialisation
-NEG_INF = np.float32(-1e30)
+# the sink attention op itself (section 5.4) lives below the backend, in ds4ref.ops
+from ds4ref.ops import NEG_INF, attention_rows, attention_scores  # noqa: F401
 
 
 def layer_q_projection(a, layer, cfg, be=NUMPY):
@@ -33,63 +31,6 @@ def layer_kv_projection(a, layer, cfg, be=NUMPY) -> np.ndarray:
     return rms_norm_weight(
         be.matvec_q8_0(layer.attn_kv, a), layer.attn_kv_a_norm, cfg.rms_eps
     )
-
-
-def _row_mask(n_rows: int, allowed, n_raw) -> np.ndarray | None:
-    """A bool mask over all rows from `allowed`, a mask over the rows after the first
-    n_raw (or all rows)."""
-    if allowed is None:
-        return None
-    allowed = np.asarray(allowed).astype(bool)
-    n_raw = 0 if n_raw is None else int(n_raw)
-    if allowed.ndim == 0 or allowed.shape[-1] != n_rows - n_raw:
-        raise ValueError(
-            f"attention: allowed has shape {allowed.shape}, expected [..., "
-            f"n_rows - n_raw = {n_rows - n_raw}]"
-        )
-    return np.concatenate(
-        [np.ones(allowed.shape[:-1] + (n_raw,), dtype=bool), allowed], axis=-1
-    )
-
-
-def attention_scores(q, kv, allowed=None, n_raw=None) -> np.ndarray:
-    """Scores q_h . k_r / sqrt(head_dim): q [..., n_head, hd], kv [..., n_rows, hd] ->
-    [..., n_head, n_rows].
-
-    allowed: bool [..., n_rows - n_raw] over the rows after the first n_raw (all rows if
-    n_raw is None); masked rows score -1e30. The scoring loop of ds4.c's attention.
-    Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
-    q, kv = np.asarray(q, dtype=np.float32), np.asarray(kv, dtype=np.float32)
-    if q.ndim < 2 or kv.ndim < 2 or q.shape[-1] != kv.shape[-1]:
-        raise ValueError(
-            f"attention: q {q.shape} and kv {kv.shape} must be [..., n_head, hd] "
-            "and [..., n_rows, hd]"
-        )
-    scale = np.float32(1.0) / np.sqrt(np.float32(q.shape[-1]))
-    s = np.matmul(q, np.swapaxes(kv, -1, -2)) * scale           # [..., n_head, n_rows]
-    mask = _row_mask(kv.shape[-2], allowed, n_raw)
-    return s if mask is None else np.where(mask[..., None, :], s, NEG_INF)
-
-
-def attention_rows(q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
-    """Sink attention with K = V: heads [..., n_head, hd] = sum_r e^(s_r - m) kv_r /
-    (e^(sink - m) + sum_r e^(s_r - m)).
-
-    q [..., n_head, hd], kv [..., n_rows, hd] (raw rows, then compressed rows), sinks
-    [n_head] (array or Tensor); allowed / n_raw as in attention_scores.
-    Mirrors ds4.c: layer_attention_rows_one (l. 4969),
-    layer_attention_mixed_one (l. 6700)"""
-    sinks = f32_of(sinks)
-    s = attention_scores(q, kv, allowed, n_raw)
-    if sinks.shape != s.shape[-2:-1]:
-        raise ValueError(
-            f"attention: sinks has shape {sinks.shape}, expected ({s.shape[-2]},)"
-        )
-    # [..., n_head, 1]
-    m = np.maximum(s.max(axis=-1, initial=NEG_INF), sinks)[..., None]
-    w = np.where(s <= NEG_INF * np.float32(0.5), np.float32(0.0), np.exp(s - m))
-    denom = np.exp(sinks[:, None] - m) + w.sum(axis=-1, keepdims=True)
-    return np.matmul(w, np.asarray(kv, dtype=np.float32)) * (np.float32(1.0) / denom)
 
 
 def grouped_out_low(heads, w_a, cfg, be=NUMPY) -> np.ndarray:

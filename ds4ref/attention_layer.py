@@ -13,12 +13,13 @@ from ds4ref.attention import (
     layer_q_projection,
 )
 from ds4ref.backend import NUMPY
-from ds4ref.compressor import compressor_decode_one
+from ds4ref.compressor import CompressorLane, compressor_decode_one
 from ds4ref.hc import hc_post, hc_pre
 from ds4ref.indexer import IndexerError, indexer_allowed
 from ds4ref.norms import rms_norm_weight
 from ds4ref.quant import fp8_kv_quantize_row
 from ds4ref.rope import rope_tail
+from ds4ref.trace import NO_TRACE, token_trace
 
 
 def attention_mixed(
@@ -52,7 +53,7 @@ def _forced_mask(force, n_comp: int):
     return mask
 
 
-def _attend_cached(cfg, lw, cache, q, kv, a, qr_norm, pos: int, be, tr, force):
+def _attend_cached(cfg, lw, cache, q, kv, a, qr_norm, pos: int, be, trace, force):
     """Steps 2-4 for one token: rope, round and push its rows, compress, index, attend,
     inverse rope."""
     il, ratio = cache.il, cache.ratio
@@ -65,77 +66,50 @@ def _attend_cached(cfg, lw, cache, q, kv, a, qr_norm, pos: int, be, tr, force):
         ("kv_fp8", kv_fp8),
         ("kv_stored", cache.raw_rows[-1]),
     ):
-        tr(n, v)
+        trace(n, v)
     allowed = None
     if ratio:
         row = compressor_decode_one(
-            cfg,
-            il,
-            a,
-            lw.attn_compressor_kv,
-            lw.attn_compressor_gate,
-            lw.attn_compressor_ape,
-            lw.attn_compressor_norm,
-            cache.attn_state_kv,
-            cache.attn_state_score,
-            pos,
-            "attn",
-            be,
-            tr,
+            cfg, il, CompressorLane.of(lw, cache, "attn"), a, pos, be, trace
         )
         if row is not None:
             cache.push_comp(row)
-            tr("comp_stored", cache.comp_rows[-1])
+            trace("comp_stored", cache.comp_rows[-1])
     if ratio == 4:
         row = compressor_decode_one(
-            cfg,
-            il,
-            a,
-            lw.indexer_compressor_kv,
-            lw.indexer_compressor_gate,
-            lw.indexer_compressor_ape,
-            lw.indexer_compressor_norm,
-            cache.index_state_kv,
-            cache.index_state_score,
-            pos,
-            "index",
-            be,
-            tr,
+            cfg, il, CompressorLane.of(lw, cache, "index"), a, pos, be, trace
         )
         if row is not None:
             cache.push_index_comp(row)
-            tr("icomp_stored", cache.index_rows[-1])
+            trace("icomp_stored", cache.index_rows[-1])
         if force is None:
             allowed = indexer_allowed(
-                cfg, lw, il, a, qr_norm, cache.index_rows, pos, be, tr
+                cfg, lw, il, a, qr_norm, cache.index_rows, pos, be, trace
             )
         else:
             allowed = _forced_mask(force, cache.n_index_comp)
         if allowed is not None:
-            tr("comp_allowed", allowed.astype(np.int8))
-    tr("cache_raw", cache.raw_rows.copy())
+            trace("comp_allowed", allowed.astype(np.int8))
+    trace("cache_raw", cache.raw_rows.copy())
     if ratio:
-        tr("cache_comp", cache.comp_rows.copy())
+        trace("cache_comp", cache.comp_rows.copy())
     if ratio == 4:
-        tr("cache_icomp", cache.index_rows.copy())
-    if tr is not _no_trace:
+        trace("cache_icomp", cache.index_rows.copy())
+    if trace is not NO_TRACE:  # the scores, for the record only
         rows = np.concatenate([cache.raw_rows, cache.comp_rows])
-        tr("attn_scores", attention_scores(q, rows, allowed, n_raw=cache.n_raw))
+        trace("attn_scores", attention_scores(q, rows, allowed, n_raw=cache.n_raw))
     heads = attention_mixed(
         q, cache.raw_rows, cache.comp_rows, allowed, lw.attn_sinks, be
     )
-    tr("heads", heads)
+    trace("heads", heads)
     heads = rope_tail(heads, pos, cfg, ratio, inverse=True)
-    tr("heads_unrope", heads)
+    trace("heads_unrope", heads)
     return heads
 
 
-def _no_trace(name, value):
-    pass
-
-
 def layer_attention_one(
-    cfg, lw, cache, X, pos: int, be=NUMPY, trace=None, force_indexer=None, steer=None
+    cfg, lw, cache, X, pos: int, be=NUMPY, trace=NO_TRACE, force_indexer=None,
+    steer=None
 ):
     """One decode step of the attention sub-layer: HC state X [n_hc, n_embd] at pos ->
     X' [n_hc, n_embd].
@@ -145,7 +119,6 @@ def layer_attention_one(
     steer (chapter 11) edits the output rows [.., n_embd] before hc_post, as ds4.c does.
     Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069),
     layer_forward_raw_swa_one (l. 7527, attention half)"""
-    tr = trace or _no_trace
     X = np.asarray(X, np.float32)
     x, post, comb = hc_pre(X, lw.hc_attn_fn, lw.hc_attn_scale, lw.hc_attn_base, cfg, be)
     a = rms_norm_weight(x, lw.attn_norm, cfg.rms_eps)
@@ -160,28 +133,29 @@ def layer_attention_one(
         ("q_normed", q),
         ("kv_normed", kv),
     ):
-        tr(n, v)
+        trace(n, v)
     heads = _attend_cached(
-        cfg, lw, cache, q, kv, a, qr_norm, pos, be, tr, force_indexer
+        cfg, lw, cache, q, kv, a, qr_norm, pos, be, trace, force_indexer
     )
     out = layer_grouped_out(heads, lw.attn_output_a, lw.attn_output_b, cfg, be)
     if steer is not None:                        # ds4.c l. 7165: directional steering
         out = steer(out)
     Y = hc_post(out, X, post, comb)
-    tr("attn_out", out)
-    tr("after_attn_hc", Y)
+    trace("attn_out", out)
+    trace("after_attn_hc", Y)
     return Y
 
 
 def layer_attention_batch(
-    cfg, lw, cache, Xs, pos0: int, be=NUMPY, trace=None, force_indexer=None, steer=None
+    cfg, lw, cache, Xs, pos0: int, be=NUMPY, trace=NO_TRACE, force_indexer=None,
+    steer=None
 ):
     """Prefill of the attention sub-layer: Xs [T, n_hc, n_embd] at positions pos0.. ->
     [T, n_hc, n_embd].
 
     HC, projections and the output run batched; the tokens stream through the caches in
-    order. trace is called as trace(name, value, pos=p); force_indexer is None or
-    [T, top_k].
+    order. Token t's values go to token_trace(trace, pos0 + t); force_indexer is
+    None or [T, top_k].
     Mirrors ds4.c: layer_attention_raw_swa_batch (l. 7181)"""
     Xs = np.asarray(Xs, np.float32)
     T = len(Xs)
@@ -189,9 +163,6 @@ def layer_attention_batch(
         raise IndexerError(
             f"force_indexer has {len(force_indexer)} rows for {T} tokens"
         )
-
-    def tr_at(t):
-        return (lambda n, v: trace(n, v, pos=pos0 + t)) if trace else _no_trace
 
     # HC pre token by token, as ds4.c's hc_pre_norm_batch_worker (l. 4581) does: a
     # batched F16 matvec may sum in another order, and a 1-ulp change here moves
@@ -208,7 +179,7 @@ def layer_attention_batch(
     kv = layer_kv_projection(a, lw, cfg, be)         # [T, hd]
     heads = np.empty_like(q)
     for t in range(T):
-        tr = tr_at(t)
+        tr = token_trace(trace, pos0 + t)
         for n, v in (
             ("attn_x", x[t]),
             ("attn_post", post[t]),
@@ -229,6 +200,6 @@ def layer_attention_batch(
         out = steer(out)
     Y = hc_post(out, Xs, post, comb)
     for t in range(T):
-        tr_at(t)("attn_out", out[t])
-        tr_at(t)("after_attn_hc", Y[t])
+        token_trace(trace, pos0 + t)("attn_out", out[t])
+        token_trace(trace, pos0 + t)("after_attn_hc", Y[t])
     return Y

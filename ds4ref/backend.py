@@ -19,6 +19,7 @@ from ds4ref.matvec import (
     matvec_q8_0_prequant,
 )
 from ds4ref.gguf import DS4RefError
+from ds4ref.ops import attention_rows, routed_experts_down, routed_experts_mid
 from ds4ref.quant import quantize_q8_0
 
 
@@ -110,6 +111,8 @@ class NumpyBackend:
     matvec_iq2_xxs_q8_K = staticmethod(matvec_iq2_xxs_q8_K)
     matvec_q2_K_q8_K = staticmethod(matvec_q2_K_q8_K)
     matvec_q4_K_q8_K = staticmethod(matvec_q4_K_q8_K)
+    # sink attention over the cache rows (chapter 5)
+    attention_rows = staticmethod(attention_rows)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -131,22 +134,18 @@ class NumpyBackend:
         Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
         return self.matvec_q8_0_prequant(w, quantize_q8_0(np.asarray(x, np.float32)))
 
-    def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None):
-        """Sink attention of q [n_head, D] over cached rows kv [R, D]; see
-        ds4ref.attention.attention_rows (chapter 5)."""
-        from ds4ref.attention import attention_rows
-        return attention_rows(q, kv, sinks, allowed, n_raw)
-
     def routed_experts_mid(self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0):
-        """mid [k, n_ff] of the selected experts; see ds4ref.moe.routed_experts_mid."""
-        from ds4ref.moe import routed_experts_mid
-        return routed_experts_mid(w_gate3, w_up3, ids, weights, a, clamp, be=self)
+        """mid [k, n_ff] of the selected experts: ds4ref.ops.routed_experts_mid (chapter
+        7) over this backend's pair matvec.
+        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
+        return routed_experts_mid(w_gate3, w_up3, ids, weights, a, clamp,
+                                  pair_matvec=self.matvec_iq2_xxs_pair_q8_K)
 
     def routed_experts_down(self, w_down3, ids, a):
-        """Unweighted sum of the selected experts' down projections; see
-        ds4ref.moe.routed_experts_down."""
-        from ds4ref.moe import routed_experts_down
-        return routed_experts_down(w_down3, ids, a, be=self)
+        """Unweighted slot-order sum of the selected experts' down projections:
+        ds4ref.ops.routed_experts_down (chapter 7) over this backend's Q2_K matvec.
+        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
+        return routed_experts_down(w_down3, ids, a, matvec=self.matvec_q2_K_q8_K)
 
     def runs_itself(self, op: str) -> bool:
         """Whether this backend runs `op` with its own code: implemented, or composed

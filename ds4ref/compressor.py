@@ -4,13 +4,16 @@
 (overlapping) or 128 tokens."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ds4ref.backend import NUMPY
 from ds4ref.gguf import DS4RefError
-from ds4ref.kvcache import NEG_INF
+from ds4ref.ops import NEG_INF
 from ds4ref.quant import fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.rope import rope_tail
+from ds4ref.trace import NO_TRACE
 from ds4ref.weights import f32_of
 
 
@@ -121,50 +124,70 @@ def compressor_advance_state(state_kv, state_score, ratio: int) -> None:
         state_score[:4] = state_score[4:]
 
 
+@dataclass(frozen=True, eq=False)
+class CompressorLane:
+    """One compressor lane of a layer: its weights (F16 wkv, wgate [coff*hd, n_embd];
+    F32 ape, norm) and its rolling state (state_kv, state_score [coff*ratio, coff*hd],
+    updated in place). kind "attn" rounds the row to E4M3, "index" to Hadamard+FP4.
+    Mirrors ds4.c: the wkv, wgate, ape, norm, state_kv, state_score arguments of
+    compressor_decode_one (l. 6514)"""
+    kind: str
+    wkv: object
+    wgate: object
+    ape: object
+    norm: object
+    state_kv: np.ndarray
+    state_score: np.ndarray
+
+    def __post_init__(self):
+        if self.kind not in ("attn", "index"):
+            raise CompressorError(
+                f"lane kind must be 'attn' or 'index', got {self.kind!r}"
+            )
+
+    @classmethod
+    def of(cls, lw, cache, kind: str) -> CompressorLane:
+        """Layer lw's `kind` lane (attn_compressor_* or indexer_compressor_*) with
+        cache's state for it (attn_state_* or index_state_*).
+        Mirrors ds4.c: layer_attention_raw_swa_one's two compressor_decode_one calls
+        (l. 7069)"""
+        w = "attn_compressor" if kind == "attn" else "indexer_compressor"
+        st = "attn_state" if kind == "attn" else "index_state"
+        return cls(kind, getattr(lw, w + "_kv"), getattr(lw, w + "_gate"),
+                   getattr(lw, w + "_ape"), getattr(lw, w + "_norm"),
+                   getattr(cache, st + "_kv"), getattr(cache, st + "_score"))
+
+
 def compressor_decode_one(
-    cfg,
-    il: int,
-    x,
-    wkv,
-    wgate,
-    ape,
-    norm,
-    state_kv,
-    state_score,
-    pos: int,
-    lane: str = "attn",
-    be=NUMPY,
-    trace=None,
+    cfg, il: int, lane: CompressorLane, x, pos: int, be=NUMPY, trace=NO_TRACE
 ):
     """Feed token pos (attention-normed x [n_embd]) to one compressor lane; return its
     new row or None.
 
-    lane "attn" gives an E4M3-rounded [head_dim] row, lane "index" a Hadamard+FP4
-    [indexer_head_dim] row (neither F16-rounded yet: the cache does that). The state
-    arrays are updated in place.
+    An "attn" lane gives an E4M3-rounded [head_dim] row, an "index" lane a Hadamard+FP4
+    [indexer_head_dim] row (neither F16-rounded yet: the cache does that). The lane's
+    state arrays are updated in place.
     Mirrors ds4.c: compressor_decode_one (l. 6514),
     compressor_decode_one_decode_scratch (l. 6611)"""
-    if lane not in ("attn", "index"):
-        raise CompressorError(f"lane must be 'attn' or 'index', got {lane!r}")
     ratio = cfg.compress_ratio(il)
-    name = "comp" if lane == "attn" else "icomp"
-    tr = trace or (lambda n, v: None)
-    kv, score = compressor_project(x, wkv, wgate, ape, pos, ratio, be)
-    tr(f"{name}_kv", kv)
-    tr(f"{name}_score", score)
+    name = "comp" if lane.kind == "attn" else "icomp"
+    state_kv, state_score = lane.state_kv, lane.state_score
+    kv, score = compressor_project(x, lane.wkv, lane.wgate, lane.ape, pos, ratio, be)
+    trace(f"{name}_kv", kv)
+    trace(f"{name}_score", score)
     if not compressor_update_state(state_kv, state_score, kv, score, pos, ratio):
         return None
-    tr(f"{name}_state_kv", state_kv.copy())
-    tr(f"{name}_state_score", state_score.copy())
+    trace(f"{name}_state_kv", state_kv.copy())
+    trace(f"{name}_state_score", state_score.copy())
     pooled = compressor_pool(state_kv, state_score, ratio)
-    normed = compressor_norm(pooled, norm, cfg.rms_eps)
+    normed = compressor_norm(pooled, lane.norm, cfg.rms_eps)
     roped = rope_tail(normed, pos + 1 - ratio, cfg, ratio)
     row = (
         fp8_kv_quantize_row(roped, cfg.n_rot)
-        if lane == "attn"
+        if lane.kind == "attn"
         else indexer_qat_row(roped)
     )
     for n, v in (("pooled", pooled), ("normed", normed), ("rope", roped), ("row", row)):
-        tr(f"{name}_{n}", v)
+        trace(f"{name}_{n}", v)
     compressor_advance_state(state_kv, state_score, ratio)
     return row

@@ -17,7 +17,7 @@ from ds4ref.kvcache import KVCache, kv_cache_bytes
 from ds4ref.model import forward_token, prefill
 from ds4ref.sample import SampleRNG, SamplingError, sample, sample_argmax
 from ds4ref.tokenizer import Tokenizer
-from ds4ref.trace import Trace
+from ds4ref.trace import NO_TRACE, Trace
 
 
 MAX_CACHE_BYTES = 16 * 2**30   # refuse a session whose KV cache alone would exceed this
@@ -178,8 +178,8 @@ class Session:
         self.engine, self.cfg = engine, engine.cfg
         self.ctx_size = int(ctx_size)
         self.force = force_decisions
-        # set to a Trace to capture the next computations
-        self.trace: Trace | None = None
+        # set to a Trace to capture the next computations (NO_TRACE: none)
+        self.trace: Trace = NO_TRACE
         self._reset()
 
     # -- state -------------------------------------------------------------------------
@@ -586,7 +586,7 @@ def replay_golden(
     ctx_size: int = 1024,
     n_prompt: int | None = None,
     n_steps: int | None = None,
-    trace: Trace | None = None,
+    trace: Trace = NO_TRACE,
 ) -> dict:
     """Re-run one of ds4.c's recorded runs and return our logits in the golden arrays'
     layout.

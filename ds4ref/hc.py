@@ -6,6 +6,7 @@ import numpy as np
 
 from ds4ref.backend import NUMPY
 from ds4ref.norms import rms_norm_no_weight
+from ds4ref.ops import sigmoid_stable
 from ds4ref.weights import f32_of
 
 
@@ -125,15 +126,6 @@ def hc_post(y, X, post, comb) -> np.ndarray:
     for s in range(n_hc):
         out = out + comb[..., s, :, None] * X[..., s, None, :]
     return out
-
-
-def sigmoid_stable(z: np.ndarray) -> np.ndarray:
-    """1 / (1 + e^-z) from e^-|z|, which never overflows; z float32 (also MoE's SiLU).
-
-    Mirrors ds4.c: sigmoid_stable (l. 4957)"""
-    e = np.exp(-np.abs(z))
-    one = np.float32(1.0)
-    return np.where(z >= 0, one / (one + e), e / (one + e))
 
 
 def output_hc_weights(mix, scale, base, eps: float = 1e-6) -> np.ndarray:

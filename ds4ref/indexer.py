@@ -10,6 +10,7 @@ from ds4ref.backend import NUMPY
 from ds4ref.gguf import DS4RefError
 from ds4ref.quant import indexer_qat_row
 from ds4ref.rope import rope_tail
+from ds4ref.trace import NO_TRACE
 
 
 class IndexerError(DS4RefError, ValueError):
@@ -67,7 +68,8 @@ def indexer_topk(scores, top_k: int) -> np.ndarray:
 
 
 def indexer_allowed(
-    cfg, lw, il: int, attn_norm, qr_norm, index_rows, pos: int, be=NUMPY, trace=None
+    cfg, lw, il: int, attn_norm, qr_norm, index_rows, pos: int, be=NUMPY,
+    trace=NO_TRACE,
 ):
     """Mask bool [n_comp] of the compressed rows this token may attend to, or None when
     there are none.
@@ -80,7 +82,6 @@ def indexer_allowed(
         return None
     if n_comp <= cfg.indexer_top_k:
         return np.ones(n_comp, bool)
-    tr = trace or (lambda n, v: None)
     q_raw, q_rope, q = indexer_query(cfg, lw, il, qr_norm, pos, be)
     w_raw, w = indexer_weights(cfg, lw, attn_norm, be)
     scores = indexer_scores(q, w, index_rows)
@@ -94,7 +95,7 @@ def indexer_allowed(
         ("idx_scores", scores),
         ("idx_selected", selected),
     ):
-        tr(n, v)
+        trace(n, v)
     allowed = np.zeros(n_comp, bool)
     allowed[selected] = True
     return allowed

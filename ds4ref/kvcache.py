@@ -8,7 +8,7 @@ import copy
 
 import numpy as np
 
-from ds4ref.attention import NEG_INF  # ds4.c's finite -infinity DS4_NEG_INF (l. 50)
+from ds4ref.ops import NEG_INF  # ds4.c's finite -infinity DS4_NEG_INF (l. 50)
 from ds4ref.gguf import DS4RefError
 from ds4ref.quant import f16_round
 

@@ -19,7 +19,7 @@ from ds4ref.hc import (
 )
 from ds4ref.moe import layer_ffn_batch, layer_ffn_one
 from ds4ref.norms import rms_norm_weight
-from ds4ref.trace import Trace
+from ds4ref.trace import NO_TRACE, Trace
 
 
 class ModelError(DS4RefError, ValueError):
@@ -44,7 +44,7 @@ def embed_token(w, token: int) -> np.ndarray:
 
 
 def output_logits(
-    cfg, w, X: np.ndarray, be=NUMPY, trace: Callable | None = None
+    cfg, w, X: np.ndarray, be=NUMPY, trace: Callable = NO_TRACE
 ) -> np.ndarray:
     """Logits [n_vocab] from the last HC state X [n_hc, n_embd]: HC head, output norm,
     Q8_0 output.
@@ -56,10 +56,9 @@ def output_logits(
     embd = hc_weighted_sum(X, weights)                                       # [n_embd]
     normed = rms_norm_weight(embd, w.output_norm, cfg.rms_eps)
     logits = be.matvec_q8_0(w.output, normed)                                # [n_vocab]
-    if trace is not None:
-        for name, v in (("out_hc_mix", mix), ("out_hc_w", weights), ("out_embd", embd),
-                        ("out_norm", normed), ("logits", logits)):
-            trace(name, v)
+    for name, v in (("out_hc_mix", mix), ("out_hc_w", weights), ("out_embd", embd),
+                    ("out_norm", normed), ("logits", logits)):
+        trace(name, v)
     return logits
 
 
@@ -95,7 +94,7 @@ def forward_token(
     token: int,
     pos: int,
     be=NUMPY,
-    trace: Trace | None = None,
+    trace: Trace = NO_TRACE,
     force: dict | None = None,
     steering=None,
 ) -> np.ndarray:
@@ -105,27 +104,23 @@ def forward_token(
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703)
     """
     X = forward_token_hc(cfg, w, cache, token, pos, be, trace, force, steering)
-    return output_logits(
-        cfg, w, X, be, trace.at(None, pos) if trace is not None else None
-    )
+    return output_logits(cfg, w, X, be, trace.at(None, pos))
 
 
 def forward_token_hc(cfg, w, cache, token: int, pos: int, be=NUMPY,
-                     trace: Trace | None = None, force: dict | None = None,
+                     trace: Trace = NO_TRACE, force: dict | None = None,
                      steering=None) -> np.ndarray:
     """forward_token up to the final HC state [n_hc, n_embd], before the output head.
 
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703), its layer loop"""
     x = embed_token(w, token)
     X = hc_from_plain_embedding(x, cfg.n_hc)  # [n_hc, n_embd]
-    if trace is not None:
-        trace.record("token", np.array([token], np.int32), None, pos)
-        trace.record("embd", x, None, pos)
+    trace.record("token", np.array([token], np.int32), None, pos)
+    trace.record("embd", x, None, pos)
     p = np.array([pos])
     for il, lw in enumerate(w.layers):
-        hook = trace.at(il, pos) if trace is not None else None
-        if hook is not None:
-            hook("hc_in", X)
+        hook = trace.at(il, pos)
+        hook("hc_in", X)
         fi = _forced(force, "indexer", il, p)
         fe = _forced(force, "experts", il, p)
         s_attn, s_ffn = steering_hooks(steering, il)
@@ -151,7 +146,7 @@ def prefill(
     cache,
     tokens: Sequence[int],
     be=NUMPY,
-    trace: Trace | None = None,
+    trace: Trace = NO_TRACE,
     force: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
     steering=None,
@@ -167,15 +162,13 @@ def prefill(
         raise ModelError("tokens: prefill needs at least one token")
     x = np.stack([embed_token(w, t) for t in tokens])  # [T, n_embd]
     Xs = hc_from_plain_embedding(x, cfg.n_hc)          # [T, n_hc, n_embd]
-    if trace is not None:
-        for t in range(T):
-            trace.record("token", np.array([tokens[t]], np.int32), None, t)
-            trace.record("embd", x[t], None, t)
+    for t in range(T):
+        trace.record("token", np.array([tokens[t]], np.int32), None, t)
+        trace.record("embd", x[t], None, t)
     pos = np.arange(T)
     for il, lw in enumerate(w.layers):
-        hook = trace.batch(il, 0, T) if trace is not None else None
-        if hook is not None:
-            hook("hc_in", Xs)
+        hook = trace.batch(il, 0, T)
+        hook("hc_in", Xs)
         s_attn, s_ffn = steering_hooks(steering, il)
         Xs = layer_attention_batch(
             cfg,
@@ -203,6 +196,4 @@ def prefill(
     # ds4.c l. 7911: clear compressor rows not yet written
     for layer_cache in cache.layers:
         layer_cache.finish_prefill_states(T)
-    return output_logits(
-        cfg, w, Xs[-1], be, trace.at(None, T - 1) if trace is not None else None
-    )
+    return output_logits(cfg, w, Xs[-1], be, trace.at(None, T - 1))

@@ -7,27 +7,17 @@ path computes them."""
 import numpy as np
 
 from ds4ref.backend import NUMPY
-from ds4ref.gguf import DS4RefError
-from ds4ref.hc import (hc_mix, hc_post, hc_split_sinkhorn, hc_weighted_sum,
-                       sigmoid_stable)
+from ds4ref.hc import hc_mix, hc_post, hc_split_sinkhorn, hc_weighted_sum
 from ds4ref.norms import rms_norm_weight
-from ds4ref.quant import Q8KAct, quantize_q8_0, quantize_q8_K
+# the activations and the routed-expert references sit below the backend (ds4ref.ops)
+from ds4ref.ops import (MoEError, experts_down, experts_gate_up, q8k_rows,  # noqa: F401
+                        routed_experts_down, routed_experts_mid, silu, sum_slots,
+                        swiglu)
+from ds4ref.quant import quantize_q8_0, quantize_q8_K
+from ds4ref.trace import NO_TRACE
 
 # 2^-14: the floor ds4.c puts under the sum of the 6 weights
 ROUTER_SUM_FLOOR = np.float32(6.103515625e-5)
-
-
-class MoEError(DS4RefError, ValueError):
-    """Bad input to the MoE: a token or expert id out of range, a missing routing
-    tensor, a wrong shape."""
-
-
-def silu(x):
-    """silu(x) = x * sigmoid(x), float32, elementwise.
-
-    Mirrors ds4.c: silu (l. 5084)"""
-    x = np.asarray(x, np.float32)
-    return (x * sigmoid_stable(x)).astype(np.float32)
 
 
 def softplus_stable(x):
@@ -39,20 +29,6 @@ def softplus_stable(x):
     with np.errstate(over="ignore"):
         mid = np.log1p(np.exp(x))
     return np.where(x > 20, x, np.where(x < -20, np.exp(x), mid)).astype(np.float32)
-
-
-def swiglu(g, u, clamp=10.0):
-    """silu(min(g, clamp)) * clip(u, -clamp, clamp), float32, elementwise (no clamp when
-    clamp <= 1e-6).
-
-    Mirrors ds4.c: swiglu (l. 5094)"""
-    g = np.asarray(g, np.float32)
-    u = np.asarray(u, np.float32)
-    c = np.float32(clamp)
-    if c > np.float32(1e-6):
-        g = np.minimum(g, c)
-        u = np.clip(u, -c, c)
-    return (silu(g) * u).astype(np.float32)
 
 
 def _per_token(op, x, item_ndim):
@@ -70,20 +46,14 @@ def _per_token(op, x, item_ndim):
     return out.reshape(lead + out.shape[1:])
 
 
-def _emit(trace, name, value):
-    if trace is not None:
-        trace(name, value)
-
-
-def _emit_quant(trace, name, act):
+def _trace_quant(trace, name, act):
     """Trace a quantized activation as ops_A names it: name.qs, name.d (and name.bsums
     for Q8_K)."""
-    if trace is not None:
-        for field in act._fields:
-            trace(f"{name}.{field}", getattr(act, field))
+    for field in act._fields:
+        trace(f"{name}.{field}", getattr(act, field))
 
 
-def shared_ffn_one(lw, f, cfg, be=NUMPY, trace=None):
+def shared_ffn_one(lw, f, cfg, be=NUMPY, trace=NO_TRACE):
     """The shared expert on the normed FFN input f [..., n_embd] -> [..., n_embd] (Q8_0
     SwiGLU MLP, clamp 10).
 
@@ -91,19 +61,19 @@ def shared_ffn_one(lw, f, cfg, be=NUMPY, trace=None):
     f = np.asarray(f, np.float32)
     # one int8 activation for gate and up
     a = quantize_q8_0(f)
-    _emit_quant(trace, "q8.ffn_gate_shexp", a)
+    _trace_quant(trace, "q8.ffn_gate_shexp", a)
     # [..., n_ff]
     g = be.matvec_q8_0_prequant(lw.ffn_gate_shexp, a)
     u = be.matvec_q8_0_prequant(lw.ffn_up_shexp, a)
     mid = swiglu(g, u, cfg.swiglu_clamp)
-    _emit(trace, "shared_gate", g)
-    _emit(trace, "shared_up", u)
-    _emit(trace, "shared_mid", mid)
-    if trace is not None:
+    trace("shared_gate", g)
+    trace("shared_up", u)
+    trace("shared_mid", mid)
+    if trace is not NO_TRACE:
         # what matvec_q8_0 quantizes inside
-        _emit_quant(trace, "q8.ffn_down_shexp", quantize_q8_0(mid))
+        _trace_quant(trace, "q8.ffn_down_shexp", quantize_q8_0(mid))
     out = be.matvec_q8_0(lw.ffn_down_shexp, mid)           # [..., n_embd]
-    _emit(trace, "shared_out", out)
+    trace("shared_out", out)
     return out
 
 
@@ -198,7 +168,7 @@ def hash_selected_experts(lw, token, cfg):
     return sel.astype(np.int32)
 
 
-def select_experts(cfg, lw, f, token, be=NUMPY, trace=None, force_experts=None):
+def select_experts(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=None):
     """Route the normed input f [..., n_embd]: expert ids int32 [..., 6] and weights
     float32 [..., 6].
 
@@ -207,14 +177,14 @@ def select_experts(cfg, lw, f, token, be=NUMPY, trace=None, force_experts=None):
     ds4.c's recorded ones) instead.
     Mirrors ds4.c: the routing part of layer_routed_moe_one (l. 5361)"""
     logits, probs = router_probs(lw, f, be)
-    _emit(trace, "router_logits", logits)
-    _emit(trace, "router_probs", probs)
+    trace("router_logits", logits)
+    trace("router_probs", probs)
     if lw.ffn_gate_tid2eid is not None:
         sel = hash_selected_experts(lw, token, cfg)
     else:
         bias = None if lw.ffn_exp_probs_b is None else lw.ffn_exp_probs_b.numpy()
         if bias is not None:
-            _emit(trace, "router_biased", (probs + bias).astype(np.float32))
+            trace("router_biased", (probs + bias).astype(np.float32))
         sel = topk_selected_experts(probs, bias, cfg.n_expert_used)
     if force_experts is not None:
         forced = np.asarray(force_experts)
@@ -225,8 +195,8 @@ def select_experts(cfg, lw, f, token, be=NUMPY, trace=None, force_experts=None):
             )
         sel = forced.astype(np.int32)
     weights = router_weights(probs, sel, cfg)
-    _emit(trace, "exp_ids", sel)
-    _emit(trace, "exp_weights", weights)
+    trace("exp_ids", sel)
+    trace("exp_weights", weights)
     return sel, weights
 
 
@@ -238,95 +208,7 @@ def _expert_tensors(lw):
     return lw.ffn_gate_exps, lw.ffn_up_exps, lw.ffn_down_exps
 
 
-def _q8k_rows(a, idx):
-    """The Q8_K activations of rows idx (an index into the leading dims)."""
-    return Q8KAct(a.qs[idx], a.d[idx], a.bsums[idx])
-
-
-def _sum_slots(down):
-    """((d0 + d1) + d2) + ... over the slot axis -2, in float32: ds4.c's accumulation
-    order."""
-    acc = down[..., 0, :].copy()
-    for i in range(1, down.shape[-2]):
-        acc = (acc + down[..., i, :]).astype(np.float32)
-    return acc
-
-
-def _check_slots(w3, ids, what):
-    """ids as int array [k], each a valid expert of the 3-D tensor w3."""
-    ids = np.asarray(ids)
-    n_expert = int(w3.shape[-1])
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise MoEError(
-            f"{what}: ids must be a 1-D integer array, got {ids.dtype} "
-            f"{list(ids.shape)}"
-        )
-    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
-        raise MoEError(f"{what}: expert id outside [0, {n_expert}): {ids.tolist()}")
-    return ids
-
-
-def _experts_gate_up(w_gate3, w_up3, ids, a, be):
-    """gate, up float32 [k, n_ff]: expert ids[s]'s IQ2_XXS gate and up rows on the one
-    Q8_K activation a."""
-    ids = _check_slots(w_gate3, ids, "routed experts")
-    rows = int(w_gate3.shape[1])
-    gate = np.empty((len(ids), rows), np.float32)
-    up = np.empty_like(gate)
-    for s, e in enumerate(ids):  # slot order, as ds4.c
-        gate[s], up[s] = be.matvec_iq2_xxs_pair_q8_K(
-            w_gate3.expert(int(e)), w_up3.expert(int(e)), a
-        )
-    return gate, up
-
-
-def _experts_down(w_down3, ids, a, be):
-    """down float32 [k, n_embd]: expert ids[s]'s Q2_K down rows on Q8_K activation row s
-    of a."""
-    ids = _check_slots(w_down3, ids, "routed experts")
-    if np.shape(a.qs)[0] != len(ids):
-        raise MoEError(
-            f"routed_experts_down: {len(ids)} experts but {np.shape(a.qs)[0]} "
-            "activation rows"
-        )
-    return np.stack(
-        [
-            be.matvec_q2_K_q8_K(w_down3.expert(int(e)), _q8k_rows(a, s))
-            for s, e in enumerate(ids)
-        ]
-    )
-
-
-def routed_experts_mid(w_gate3, w_up3, ids, weights, a, clamp=10.0, be=NUMPY):
-    """mid [k, n_ff] = SwiGLU_clamp(gate_e a, up_e a) * weights[s] for the k selected
-    experts e = ids[s].
-
-    w_gate3, w_up3: the 3-D IQ2_XXS expert tensors; a: Q8KAct of one token (shared by
-    all experts). The reference loops over the experts with be's pair matvec; backends
-    fuse it (be.routed_experts_mid).
-    Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
-    gate, up = _experts_gate_up(w_gate3, w_up3, ids, a, be)
-    w = np.asarray(weights, np.float32).reshape(-1)
-    if w.shape != (len(gate),):
-        raise MoEError(
-            f"routed_experts_mid: {len(gate)} experts but weights of shape "
-            f"{list(np.shape(weights))}"
-        )
-    return (swiglu(gate, up, clamp) * w[:, None]).astype(np.float32)
-
-
-def routed_experts_down(w_down3, ids, a, be=NUMPY):
-    """moe [n_embd] = ((d_0 + d_1) + ...) + d_{k-1}, d_s = down_e Q8_K-row s of a (e =
-    ids[s]); no weights.
-
-    w_down3: the 3-D Q2_K expert tensor; a: Q8KAct [k, n_ff], the quantized mid rows.
-    The reference loops over the experts with be's Q2_K matvec; backends fuse it
-    (be.routed_experts_down).
-    Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
-    return _sum_slots(_experts_down(w_down3, ids, a, be))
-
-
-def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=None, force_experts=None):
+def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=None):
     """The routed experts for one token: f [n_embd] (ffn-normed) -> moe_out [n_embd].
 
     Q8_K(f) -> 6 x (IQ2_XXS gate/up, clamped SwiGLU * route weight, Q8_K, Q2_K down) ->
@@ -340,7 +222,7 @@ def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=None, force_experts=None):
         raise MoEError(f"routed_moe_one: f must be [{cfg.n_embd}], got {list(f.shape)}")
     gate_w, up_w, down_w = _expert_tensors(lw)
     xq = quantize_q8_K(f)
-    _emit_quant(trace, "q8k.ffn_gate_up_exps", xq)
+    _trace_quant(trace, "q8k.ffn_gate_up_exps", xq)
     sel, weights = select_experts(cfg, lw, f, token, be, trace, force_experts)
 
     # [6, n_ff]
@@ -348,14 +230,14 @@ def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=None, force_experts=None):
     midq = quantize_q8_K(mid)  # one Q8_K row per slot
     moe = be.routed_experts_down(down_w, sel, midq)  # [n_embd]
 
-    if trace is not None:  # the per-expert vectors, for the record only
-        gate, up = _experts_gate_up(gate_w, up_w, sel, xq, be)
-        _emit(trace, "exp_gate", gate)
-        _emit(trace, "exp_up", up)
-        _emit(trace, "exp_mid", mid)
-        _emit_quant(trace, "q8k.ffn_down_exps", midq)
-        _emit(trace, "exp_down", _experts_down(down_w, sel, midq, be))
-        _emit(trace, "moe_out", moe)
+    if trace is not NO_TRACE:  # the per-expert vectors, for the record only
+        gate, up = experts_gate_up(gate_w, up_w, sel, xq, be.matvec_iq2_xxs_pair_q8_K)
+        trace("exp_gate", gate)
+        trace("exp_up", up)
+        trace("exp_mid", mid)
+        _trace_quant(trace, "q8k.ffn_down_exps", midq)
+        trace("exp_down", experts_down(down_w, sel, midq, be.matvec_q2_K_q8_K))
+        trace("moe_out", moe)
     return moe
 
 
@@ -371,20 +253,20 @@ def _hc_ffn_pre(cfg, lw, X, be, trace):
         cfg.hc_sinkhorn_iter,
     )
     x = hc_weighted_sum(X, pre)                                         # [..., n_embd]
-    _emit(trace, "ffn_hc_mix", mix)
-    if trace is not None:
+    trace("ffn_hc_mix", mix)
+    if trace is not NO_TRACE:
         trace(
             "ffn_hc_split",
             np.concatenate([pre, post, comb.reshape(*comb.shape[:-2], -1)], axis=-1),
         )
-    _emit(trace, "ffn_x", x)
-    _emit(trace, "ffn_post", post)
-    _emit(trace, "ffn_comb", comb)
+    trace("ffn_x", x)
+    trace("ffn_post", post)
+    trace("ffn_comb", comb)
     return x, post, comb
 
 
 def layer_ffn_one(
-    cfg, lw, X, token, be=NUMPY, trace=None, force_experts=None, steer=None
+    cfg, lw, X, token, be=NUMPY, trace=NO_TRACE, force_experts=None, steer=None
 ):
     """The FFN sub-layer for one token: HC state X [n_hc, n_embd] -> X' [n_hc, n_embd].
 
@@ -398,19 +280,19 @@ def layer_ffn_one(
         )
     x, post, comb = _hc_ffn_pre(cfg, lw, X, be, trace)
     f = rms_norm_weight(x, lw.ffn_norm.numpy(), cfg.rms_eps)
-    _emit(trace, "ffn_norm", f)
+    trace("ffn_norm", f)
     moe = routed_moe_one(cfg, lw, f, token, be, trace, force_experts)
     shared = shared_ffn_one(lw, f, cfg, be, trace)
     y = (moe + shared).astype(np.float32)
     if steer is not None:  # ds4.c l. 5729 / 5821: directional steering
         y = steer(y)
-    _emit(trace, "ffn_out", y)
+    trace("ffn_out", y)
     out = hc_post(y, X, post, comb)
-    _emit(trace, "hc_out", out)
+    trace("hc_out", out)
     return out
 
 
-def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=None, force_experts=None):
+def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=NO_TRACE, force_experts=None):
     """The routed experts for T tokens, grouped by expert: F [T, n_embd] -> moe
     [T, n_embd].
 
@@ -426,7 +308,7 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=None, force_experts=Non
     gate_w, up_w, down_w = _expert_tensors(lw)
     T, k = F.shape[0], cfg.n_expert_used
     xq = quantize_q8_K(F)  # [T, n_embd] int8 rows
-    _emit_quant(trace, "q8k.ffn_gate_up_exps", xq)
+    _trace_quant(trace, "q8k.ffn_gate_up_exps", xq)
     # [T, k]
     sel, weights = select_experts(cfg, lw, F, tokens, be, trace, force_experts)
 
@@ -439,7 +321,7 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=None, force_experts=Non
         p = np.flatnonzero(expert_of == e)
         t, s = tok_of[p], slot_of[p]
         gate[t, s], up[t, s] = be.matvec_iq2_xxs_pair_q8_K(
-            gate_w.expert(int(e)), up_w.expert(int(e)), _q8k_rows(xq, t)
+            gate_w.expert(int(e)), up_w.expert(int(e)), q8k_rows(xq, t)
         )
     mid = (swiglu(gate, up, cfg.swiglu_clamp) * weights[..., None]).astype(np.float32)
     midq = quantize_q8_K(mid)                                        # [T, k, n_ff]
@@ -447,20 +329,20 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=None, force_experts=Non
     for e in np.unique(expert_of):
         p = np.flatnonzero(expert_of == e)
         t, s = tok_of[p], slot_of[p]
-        down[t, s] = be.matvec_q2_K_q8_K(down_w.expert(int(e)), _q8k_rows(midq, (t, s)))
-    moe = _sum_slots(down)  # per token, slot order
+        down[t, s] = be.matvec_q2_K_q8_K(down_w.expert(int(e)), q8k_rows(midq, (t, s)))
+    moe = sum_slots(down)  # per token, slot order
 
-    _emit(trace, "exp_gate", gate)
-    _emit(trace, "exp_up", up)
-    _emit(trace, "exp_mid", mid)
-    _emit_quant(trace, "q8k.ffn_down_exps", midq)
-    _emit(trace, "exp_down", down)
-    _emit(trace, "moe_out", moe)
+    trace("exp_gate", gate)
+    trace("exp_up", up)
+    trace("exp_mid", mid)
+    _trace_quant(trace, "q8k.ffn_down_exps", midq)
+    trace("exp_down", down)
+    trace("moe_out", moe)
     return moe
 
 
 def layer_ffn_batch(
-    cfg, lw, Xs, tokens, be=NUMPY, trace=None, force_experts=None, steer=None
+    cfg, lw, Xs, tokens, be=NUMPY, trace=NO_TRACE, force_experts=None, steer=None
 ):
     """The FFN sub-layer for T tokens: Xs [T, n_hc, n_embd] -> [T, n_hc, n_embd], equal
     to T x layer_ffn_one.
@@ -485,13 +367,13 @@ def layer_ffn_batch(
     # [T, n_embd], [T, n_hc], [T, n_hc, n_hc]
     x, post, comb = _hc_ffn_pre(cfg, lw, Xs, be, trace)
     f = rms_norm_weight(x, lw.ffn_norm.numpy(), cfg.rms_eps)
-    _emit(trace, "ffn_norm", f)
+    trace("ffn_norm", f)
     moe = routed_moe_batch(cfg, lw, f, tokens, be, trace, force_experts)
     shared = shared_ffn_one(lw, f, cfg, be, trace)
     y = (moe + shared).astype(np.float32)
     if steer is not None:  # ds4.c l. 5883 / 6047: directional steering
         y = steer(y)
-    _emit(trace, "ffn_out", y)
+    trace("ffn_out", y)
     out = hc_post(y, Xs, post, comb)
-    _emit(trace, "hc_out", out)
+    trace("hc_out", out)
     return out

@@ -18,6 +18,9 @@ from ds4ref.backend import (
     UnimplementedOpError,
     coverage,
 )
+# the helpers the backend modules share live in backends.common, which they import (not
+# this package, which imports them only when a backend is asked for)
+from ds4ref.backends.common import check_attention_args, expert_ids, row_mask
 from ds4ref.weights import f32_of
 
 BACKENDS = ("numpy", "numba", "mlx", "cupy")
@@ -196,63 +199,6 @@ def get_backend(
     if key not in _STRICT:
         _STRICT[key] = _INSTANCES[key].strict()
     return _STRICT[key]
-
-
-def row_mask(n_rows: int, allowed=None, n_raw=None) -> np.ndarray:
-    """bool [n_rows]: the first n_raw rows always, then `allowed` over the rest (all
-    rows when allowed is None); the convention of ds4ref.attention.attention_rows.
-    Mirrors ds4.c: layer_attention_mixed_one (l. 6700), its comp_allowed test"""
-    mask = np.ones(n_rows, bool)
-    if allowed is not None:
-        allowed = np.asarray(allowed).astype(bool).reshape(-1)
-        start = 0 if n_raw is None else int(n_raw)
-        if len(allowed) != n_rows - start:
-            raise ValueError(
-                f"attention: allowed has {len(allowed)} entries, expected n_rows "
-                f"- n_raw = {n_rows - start}"
-            )
-        mask[start:] = allowed
-    return mask
-
-
-def expert_ids(ids, w3) -> np.ndarray:
-    """The selected expert ids as int32 [k], checked against the 3-D expert tensor w3
-    (GGUF shape [in, out, n_expert]):
-    a kernel indexes weight memory with them, so an id out of range must fail here, not
-    read past the tensor.
-    Mirrors ds4.c: layer_routed_moe_one's expert offsets (l. 5361), ids from the router
-    (always in range there)"""
-    from ds4ref.matvec import MatvecError
-    shape = getattr(w3, "shape", None)
-    if shape is None or len(shape) != 3:
-        raise MatvecError(
-            f"{getattr(w3, 'name', 'weight')!r}: expected a 3-D expert tensor, "
-            f"got shape {shape}"
-        )
-    ids = np.asarray(ids).reshape(-1)
-    if (
-        ids.size == 0
-        or ids.dtype.kind not in "iu"
-        or ids.min() < 0
-        or ids.max() >= shape[2]
-    ):
-        raise MatvecError(
-            f"{getattr(w3, 'name', 'weight')!r}: expert ids {ids.tolist()} must "
-            f"be integers in [0, {shape[2]})"
-        )
-    return ids.astype(np.int32)
-
-
-def check_attention_args(q: np.ndarray, kv: np.ndarray, sinks: np.ndarray) -> None:
-    """ValueError unless q [n_head, D], kv [R, D] and sinks [n_head] fit together (a
-    kernel trusts these sizes).
-
-    Mirrors ds4.c: nothing (ds4.c's shapes are compile-time constants)"""
-    if kv.shape[1] != q.shape[1] or sinks.shape != (q.shape[0],):
-        raise ValueError(
-            f"attention: q {q.shape}, kv {kv.shape} and sinks {sinks.shape} do not fit "
-            "(expected [n_head, D], [R, D], [n_head])"
-        )
 
 
 def available_backends() -> dict[str, str]:

@@ -9,7 +9,8 @@ from importlib import resources
 import numpy as np
 
 from ds4ref.backend import NumpyBackend
-from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
+from ds4ref.backends.common import check_attention_args, expert_ids, row_mask
+from ds4ref.weights import f32_of
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4ref.attention import NEG_INF
 from ds4ref.engine import Engine, Session, SessionError
 from ds4ref.kvcache import KVCache
+from ds4ref.ops import NEG_INF
 from ds4ref.quant import E2M1_VALUES, E4M3_VALUES
 from ds4ref.rope import rope_params, rope_theta
+from ds4ref.trace import NO_TRACE
 from ds4ref.weights import f32_of
 
 
@@ -590,7 +591,7 @@ class MlxSession(Session):
         self._cache = self.engine.forward.new_cache(self.ctx_size)
 
     def _resident_only(self) -> None:
-        if self.trace is not None or self.force is not None or (
+        if self.trace is not NO_TRACE or self.force is not None or (
             self.engine.steering is not None
         ):
             raise SessionError(

@@ -8,7 +8,8 @@ import numpy as np
 from numba import njit, prange
 
 from ds4ref.backend import NumpyBackend
-from ds4ref.backends import check_attention_args, expert_ids, f32_of, row_mask
+from ds4ref.backends.common import check_attention_args, expert_ids, row_mask
+from ds4ref.weights import f32_of
 from ds4ref.matvec import row_elements, weight_rows
 # chapter 03: the numba matvecs (the reference's signatures), and run_kernel, which
 # compiles with LLVM's SLP vectorizer on
