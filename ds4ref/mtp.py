@@ -186,35 +186,30 @@ class MTPState:
 
     def __init__(self, cfg, ctx_size: int):
         self.cfg, self.ctx_size = cfg, ctx_size
-        self.history: list[int] = []          # the token each kept row was drafted from
-        self.rows: list[tuple[int, np.ndarray]] = []
+        # (position, the token drafted from there, its raw KV row), in position order
+        self.rows: list[tuple[int, int, np.ndarray]] = []
         self.cache = LayerCache(cfg, MTP_IL, ctx_size)
 
     def keep(self, n: int) -> None:
         """Forget the rows of positions >= n."""
-        if len(self.history) <= n and all(p < n for p, _ in self.rows):
+        if all(p < n for p, _, _ in self.rows):
             return
-        self.history = self.history[:n]
-        self.rows = [(p, r) for p, r in self.rows if p < n]
+        self.rows = [r for r in self.rows if r[0] < n]
         self.cache = LayerCache(self.cfg, MTP_IL, self.ctx_size)
-        for _, r in self.rows[-self.cache.cap_raw:]:
+        for _, _, r in self.rows[-self.cache.cap_raw:]:
             self.cache.push_raw(r)
 
     def sync(self, tokens: list[int]) -> None:
-        """Keep only the rows drafted along the session's own history."""
-        n = 0
-        for a, b in zip(self.history, tokens):
-            if a != b:
-                break
-            n += 1
-        self.keep(n)
+        """Keep the rows drafted along the session's own tokens: the row of position p
+        stays while tokens[p] is the token it was drafted from."""
+        gone = [p for p, t, _ in self.rows if p >= len(tokens) or tokens[p] != t]
+        self.keep(min(gone, default=len(tokens)))
 
     def step(self, cfg, w, mtp, token: int, pos: int, prev_hc, be):
         """mtp_draft_step at pos on this window: (logits [V], output [n_hc, n_embd])."""
         self.keep(pos)
         logits, X = mtp_draft_step(cfg, w, mtp, self.cache, token, pos, prev_hc, be)
-        self.history.append(int(token))
-        self.rows.append((pos, self.cache.raw_rows[-1].copy()))
+        self.rows.append((pos, int(token), self.cache.raw_rows[-1].copy()))
         return logits, X
 
 

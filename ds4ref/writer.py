@@ -484,7 +484,7 @@ WRITER_VERSION = 1
 
 
 def synthetic_model_path() -> Path:
-    """The synthetic tiny model: the tiny shape with seed 7's random weights, generated on
+    """The synthetic tiny model: the tiny shape with seed 7's random weights, made on
     first use. The ds4.c and llama.cpp records of data/ were made on it.
 
     Lives in $DS4REF_CACHE or ~/.cache/ds4ref; the name carries the writer version.

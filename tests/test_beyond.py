@@ -524,3 +524,21 @@ def test_mtp_stages_against_llama_cpp():
     assert 5e-3 < fp8 < 1e-1
     assert rel(layer_ffn_one(cfg, m.block, s["after_attn"], tok), s["hc_out"]) < 2e-3
     assert rel(mtp_output_logits(cfg, w, m, s["hc_out"]), s["logits"]) < 1e-3
+
+
+def test_mtp_window_keeps_rows_along_the_sessions_tokens():
+    """A row of the MTP window stays while the session's token at its position is the one it
+    was drafted from (positions after a prompt start at the prompt's length, not at 0)."""
+    from ds4ref.config import ModelConfig
+    from ds4ref.mtp import MTPState
+    cfg = ModelConfig.tiny()
+    st = MTPState(cfg, 128)
+    rows = [np.full(cfg.head_dim, p, np.float32) for p in (64, 65, 66)]
+    st.rows = [(64, 11, rows[0]), (65, 12, rows[1]), (66, 13, rows[2])]
+    st.sync(list(range(64)) + [11, 12, 13, 14])          # all three still on the path
+    assert [p for p, _, _ in st.rows] == [64, 65, 66]
+    st.sync(list(range(64)) + [11, 12, 99])              # position 66 was redrafted
+    assert [p for p, _, _ in st.rows] == [64, 65]
+    assert st.cache.n_raw == 2 and np.array_equal(st.cache.raw_rows[:, 0], [64, 65])
+    st.sync(list(range(64)) + [10])                      # another token at 64: nothing kept
+    assert st.rows == [] and st.cache.n_raw == 0

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         "prompt_tokens": args.prompt, "reps": args.reps, "timing": "fastest of reps",
         "decode_s": decode_s, "verify_s": {str(k): v for k, v in verify.items()},
         "draft_s": draft_s, "snapshot_s": snapshot_s, "acceptance": counts,
-        "prompt_text": None if args.text is None else str(args.text.relative_to(ROOT)),
+        "prompt_text": None if args.text is None else str(args.text.resolve().relative_to(ROOT)),
         "note": ("random weights: the MTP block's drafts agree with the target about as often as chance"
                  if "trained" not in eng.path.name else "the bundled trained model and its trained MTP head"),
     }

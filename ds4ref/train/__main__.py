@@ -14,7 +14,8 @@ from ds4ref.train.ship import ship
 
 def main(argv=None) -> int:
     """Train the recipe into --out; with --ship, write this checkout's bundled files."""
-    ap = argparse.ArgumentParser(prog="python -m ds4ref.train", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m ds4ref.train",
+                                 description=main.__doc__)
     ap.add_argument("--out", default="train_run", help="run folder (curves, model.pt)")
     ap.add_argument("--steps", type=int, default=Recipe.steps)
     ap.add_argument("--seed", type=int, default=Recipe.seed)

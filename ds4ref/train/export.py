@@ -59,9 +59,11 @@ def _tensors(specs, state: dict, mix: str, skip_optional_hash: int | None = None
 def write_trained(path, cfg, state: dict, tokenizer_meta: list, *, name: str,
                   mix: str = "ds4"):
     """The main GGUF: ds4's metadata, the trained tokenizer's entries, every tensor."""
-    meta = [m for m in model_metadata(cfg, 0, name) if not m[0].startswith("tokenizer.")]
+    meta = model_metadata(cfg, 0, name)
+    meta = [m for m in meta if not m[0].startswith("tokenizer.")]
     meta += tokenizer_meta
-    tensors = _tensors(tensor_specs(cfg), state, mix, skip_optional_hash=cfg.n_hash_layer)
+    tensors = _tensors(tensor_specs(cfg), state, mix,
+                       skip_optional_hash=cfg.n_hash_layer)
     return write_gguf(path, meta, tensors)
 
 

@@ -86,7 +86,7 @@ def swiglu(g, u, clamp=10.0):
 
 
 def method(cls):
-    """Add the decorated function to cls: a class built over several cells, as d2l does."""
+    """Add the decorated function to cls: a class built over several cells (d2l)."""
 
     def add(f):
         setattr(cls, f.__name__, f)
@@ -124,7 +124,7 @@ class DS4Torch(nn.Module):
 
 
 def _hash_table(cfg, il: int, seed: int) -> torch.Tensor:
-    """tid2eid [n_vocab, 6]: each token's 6 distinct experts, from a seeded generator."""
+    """tid2eid [n_vocab, 6]: each token's 6 distinct experts, from a seeded RNG."""
     g = torch.Generator().manual_seed(seed * 1000 + il)
     keys = torch.rand(cfg.n_vocab, cfg.n_expert, generator=g)
     return keys.argsort(-1)[:, : cfg.n_expert_used].contiguous()
@@ -258,7 +258,8 @@ def indexer(self, a, qr, pre, vis, s_comp, tab):
     cfg = self.cfg
     B, T, _ = a.shape
     cos, sin = tab
-    rows = self.compress(a, pre + "indexer_compressor", 4, cfg.indexer_head_dim, cos, sin)
+    ihd = cfg.indexer_head_dim
+    rows = self.compress(a, pre + "indexer_compressor", 4, ihd, cos, sin)
     qi = self.lin(qr, pre + "indexer.attn_q_b.weight")
     qi = rope(
         qi.reshape(B, T, cfg.n_indexer_head, cfg.indexer_head_dim), cos, sin, cfg.n_rot
@@ -298,7 +299,8 @@ def ffn(self, X, il, tokens, stats, mtp_prefix=None):
         load = torch.bincount(sel.flatten(), minlength=cfg.n_expert).float()
         stats.setdefault("load", {})[pre] = load
     wsel = probs.gather(-1, sel)
-    wsel = cfg.expert_weights_scale * wsel / wsel.sum(-1, keepdim=True).clamp(min=2**-14)
+    total = wsel.sum(-1, keepdim=True).clamp(min=2**-14)
+    wsel = cfg.expert_weights_scale * wsel / total
     fl = f.reshape(-1, cfg.n_embd)
     y = torch.zeros_like(fl)
     sel_f = sel.reshape(-1, cfg.n_expert_used)
@@ -326,7 +328,7 @@ def ffn(self, X, il, tokens, stats, mtp_prefix=None):
 @method(DS4Torch)
 @torch.no_grad()
 def update_bias(self, stats, rate: float):
-    """Loss-free balancing: raise the bias of under-loaded experts, lower the others'."""
+    """Loss-free balancing: raise the bias of under-loaded experts, lower others'."""
     for pre, load in stats.get("load", {}).items():
         b = self.p(pre + "exp_probs_b.bias")
         b += rate * torch.sign(load.mean() - load)
@@ -344,7 +346,7 @@ def head(self, X, fn, scale, base, norm):
 
 @method(DS4Torch)
 def forward(self, tokens, tabs, stats):
-    """Main logits [B, T, V] and the final HC states [B, T, n_hc, E] of tokens [B, T]."""
+    """Main logits [B, T, V] and final HC states [B, T, n_hc, E] of tokens [B, T]."""
     cfg = self.cfg
     x = self.p("token_embd.weight")[tokens]
     X = x.unsqueeze(-2).expand(*x.shape[:-1], cfg.n_hc, cfg.n_embd)

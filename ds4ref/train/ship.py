@@ -25,13 +25,14 @@ from ds4ref.train.model import DS4Torch, rope_tables
 from ds4ref.weights import Tensor, load_model, tensor_specs
 
 NAME = "ds4ref-tiny-trained"
-HELDOUT_TOKENS = 1000  # held-out documents shipped in data/trained/heldout.txt: this many
+HELDOUT_TOKENS = 1000  # data/trained/heldout.txt: held-out documents, this many tokens
 
 
 def with_state(model, state: dict) -> None:
     """Copy numpy arrays (GGUF name -> numpy order) into the model's parameters."""
     for name, key in model.names.items():
-        model.params[key].data.copy_(torch.from_numpy(np.ascontiguousarray(state[name])))
+        x = np.ascontiguousarray(state[name])
+        model.params[key].data.copy_(torch.from_numpy(x))
 
 
 def gguf_state(*paths) -> dict:
@@ -169,7 +170,8 @@ def ship(run_dir, model_dir, data_dir, results_path, log=print) -> dict:
     (data_dir / "heldout.txt").write_text(heldout)
     held = token_stream(tok, held_docs)
     specs = {s.name: s for s in list(tensor_specs(cfg)) + mtp_tensor_specs(cfg)}
-    done = {(n, tensor_type(specs[n], "ds4")): x for n, x in gguf_state(main, mtp).items()}
+    shipped = gguf_state(main, mtp).items()
+    done = {(n, tensor_type(specs[n], "ds4")): x for n, x in shipped}
     table = {}
     for choice in ("float", "q8_0", "ds4", "iq2"):
         t0 = time.time()
