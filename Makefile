@@ -31,7 +31,7 @@ run-chapters: $(STAMP)
 book: $(STAMP)
 	$(VPY) tools/tangle.py --check
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
-	$(VPY) -m ds4ref --raw -p "Return the" -n 32 --temp 0
+	$(VPY) -m ds4ref --raw -p "Return a" -n 32 --temp 0
 
 ## every test: unit and oracle tests, the drift check, and nbval over every chapter
 test: $(STAMP)
