@@ -118,6 +118,8 @@ def test_main_interleaves_rounds_and_stores_the_ratios(tmp_path, monkeypatch):
     monkeypatch.setattr(be, "bench_llama_cpp", stand_in("llama.cpp"))
     monkeypatch.setattr(be, "bench_numbered", lambda *a: stand_in("numba")(a[-2]))
     monkeypatch.setattr(be.os, "cpu_count", lambda: 2)
+    from numba import config          # NUMBA_NUM_THREADS=1 in the environment caps the rows
+    monkeypatch.setattr(config, "NUMBA_NUM_THREADS", 2)
     out = tmp_path / "bench.json"
     res = be.main(["--backends", "numba", "--models", "wide", "--numba-threads", "2",
                    "--rounds", "2", "--ds4c", "x", "--llama-cpp", "y", "--out", str(out)])
