@@ -206,6 +206,13 @@ def read_steering_dump(dump: Path, n_embd: int) -> dict:
             "ops_x": np.concatenate(xs), "ops_y": np.concatenate(ys)}
 
 
+def write_tokenizer_inputs(t: Path) -> None:
+    """The NUL-separated texts, rendered chats and chat turns that record_tokenizer feeds ds4c_run."""
+    (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")
+    (t / "rendered").write_bytes(b"\0".join(s.encode() for s in RENDERED) + b"\0")
+    (t / "chats").write_bytes(b"".join(b"\0".join(x.encode() for x in c) + b"\0" for c in CHATS))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", type=Path, required=True)
@@ -217,9 +224,7 @@ def main() -> None:
     if args.trained:
         with tempfile.TemporaryDirectory() as tmp:
             t = Path(tmp)
-            (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")
-            (t / "rendered").write_bytes(b"\0".join(s.encode() for s in RENDERED) + b"\0")
-            (t / "chats").write_bytes(b"".join(b"\0".join(x.encode() for x in c) + b"\0" for c in CHATS))
+            write_tokenizer_inputs(t)
             from ds4ref.writer import default_model_path
             path = ORACLE / "ds4c_tokenizer.json"
             tok = json.loads(path.read_text())
@@ -235,9 +240,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        (t / "texts").write_bytes(b"\0".join(s.encode() for s in TEXTS) + b"\0")
-        (t / "rendered").write_bytes(b"\0".join(s.encode() for s in RENDERED) + b"\0")
-        (t / "chats").write_bytes(b"".join(b"\0".join(x.encode() for x in c) + b"\0" for c in CHATS))
+        write_tokenizer_inputs(t)
         from ds4ref.writer import synthetic_model_path
         tok = record_tokenizer(build, t, MODEL)                      # the oracle's vocab (761 merges)
         tok["bundled"] = record_tokenizer(build, t, synthetic_model_path())   # the writer's trained vocab
