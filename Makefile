@@ -38,7 +38,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 bench: $(STAMP)
-	$(VPY) -m ds4ref.bench all
+	$(VPY) -m ds4ref.dev.bench all
 
 clean:
 	rm -rf _build

@@ -4,8 +4,8 @@ from ds4ref.gguf import DS4RefError, GGMLType, GGUFError, GGUFFile
 from ds4ref.config import ModelConfig
 from ds4ref.weights import LayerWeights, Tensor, Weights, bind_weights, load_model
 from ds4ref.cli import model_summary
-# write_model and default_model_path load ds4ref.writer (its corpus, its BPE trainer)
-# on first use: see _LAZY (chapter 08), which keeps `import ds4ref` light
+# write_model and synthetic_model_path load ds4ref.dev.writer (its corpus, its BPE
+# trainer) on first use: see _LAZY (chapter 08), which keeps `import ds4ref` light
 
 
 _LAZY = {
@@ -17,9 +17,9 @@ _LAZY = {
     "SampleRNG": "ds4ref.sample",
     "Tokenizer": "ds4ref.tokenizer",
     "Trace": "ds4ref.trace",
-    "default_model_path": "ds4ref.writer",
-    "synthetic_model_path": "ds4ref.writer",
-    "write_model": "ds4ref.writer",
+    "default_model_path": "ds4ref.bundled",
+    "synthetic_model_path": "ds4ref.dev.writer",
+    "write_model": "ds4ref.dev.writer",
 }
 
 

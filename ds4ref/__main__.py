@@ -106,7 +106,7 @@ def main(argv=None) -> int:
 
     if args.summary:
         from ds4ref.cli import model_summary
-        from ds4ref.writer import default_model_path
+        from ds4ref.bundled import default_model_path
         print(model_summary(args.model or default_model_path()))
         return 0
     try:

@@ -16,9 +16,9 @@ def layer_q_projection(a, layer, cfg, be=NUMPY):
     Q8_0 matvec quantizes its input to int8 first.
 
     Mirrors ds4.c: layer_q_projection_with_lora_one (l. 4687)"""
-    qr = be.matvec_q8_0(layer.attn_q_a, a)       # [..., n_lora_q]
+    qr = be.project(layer.attn_q_a, a)           # [..., n_lora_q]
     qr_norm = rms_norm_weight(qr, layer.attn_q_a_norm, cfg.rms_eps)
-    q = be.matvec_q8_0(layer.attn_q_b, qr_norm)  # [..., n_head * head_dim]
+    q = be.project(layer.attn_q_b, qr_norm)      # [..., n_head * head_dim]
     q = q.reshape(q.shape[:-1] + (cfg.n_head, cfg.head_dim))
     return head_rms_norm(q, cfg.rms_eps), qr_norm
 
@@ -29,7 +29,7 @@ def layer_kv_projection(a, layer, cfg, be=NUMPY) -> np.ndarray:
 
     Mirrors ds4.c: layer_kv_projection_normed_one (l. 4705)"""
     return rms_norm_weight(
-        be.matvec_q8_0(layer.attn_kv, a), layer.attn_kv_a_norm, cfg.rms_eps
+        be.project(layer.attn_kv, a), layer.attn_kv_a_norm, cfg.rms_eps
     )
 
 
@@ -70,4 +70,4 @@ def layer_grouped_out(heads, w_a, w_b, cfg, be=NUMPY) -> np.ndarray:
 
     Mirrors ds4.c: layer_grouped_out_one (l. 5020)"""
     low = grouped_out_low(heads, w_a, cfg, be)
-    return be.matvec_q8_0(w_b, low.reshape(low.shape[:-2] + (-1,)))
+    return be.project(w_b, low.reshape(low.shape[:-2] + (-1,)))

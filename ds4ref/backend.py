@@ -11,7 +11,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ds4ref.matvec import (
+    MatvecError,
     matvec_f16,
+    matvec_f32,
     matvec_iq2_xxs_pair_q8_K,
     matvec_iq2_xxs_q8_K,
     matvec_q2_K_q8_K,
@@ -20,6 +22,7 @@ from ds4ref.matvec import (
 )
 from ds4ref.gguf import DS4RefError
 from ds4ref.ops import attention_rows, routed_experts_down, routed_experts_mid
+from ds4ref.quant import F16, F32, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPE_NAMES, Q8Act
 from ds4ref.quant import quantize_q8_0
 
 
@@ -52,6 +55,9 @@ class Backend(Protocol):
     def matvec_f16(self, w, x) -> np.ndarray:
         """F16 W [rows, n] times float32 x [..., n], not quantized -> [..., rows]."""
 
+    def matvec_f32(self, w, x) -> np.ndarray:
+        """F32 W [rows, n] times float32 x [..., n], summed in double -> [..., rows]."""
+
     def matvec_iq2_xxs_pair_q8_K(self, w_gate, w_up, a) -> tuple:
         """IQ2_XXS W_gate, W_up [rows, n] times one Q8KAct a [..., n] -> (g, u)."""
 
@@ -73,6 +79,7 @@ OPS = (
     "matvec_q8_0",
     "matvec_q8_0_prequant",
     "matvec_f16",
+    "matvec_f32",
     "matvec_iq2_xxs_pair_q8_K",
     "matvec_q2_K_q8_K",
     "attention_rows",
@@ -83,6 +90,11 @@ OPS = (
 EXTRA_OPS = ("matvec_iq2_xxs_q8_K", "matvec_q4_K_q8_K")
 # ops that NumpyBackend builds from others: a backend with those parts runs them itself
 COMPOSED = {"matvec_q8_0": ("matvec_q8_0_prequant",)}
+# the op that projects through a 2-D weight of each type (`project`), ds4.c's matvec_any
+PROJECT_OPS = {Q8_0: "matvec_q8_0", F16: "matvec_f16", F32: "matvec_f32"}
+# the row matvec, against Q8_K, of each routed-expert type ds4.c accepts
+EXPERT_OPS = {IQ2_XXS: "matvec_iq2_xxs_q8_K", Q2_K: "matvec_q2_K_q8_K",
+              Q4_K: "matvec_q4_K_q8_K"}
 
 
 def _unimplemented(name: str, op: str):
@@ -93,6 +105,21 @@ def _unimplemented(name: str, op: str):
         )
     call.__name__ = call.__qualname__ = op
     return call
+
+
+# 2-D tensors the model reads without projecting: looked up, added, or a table
+NOT_PROJECTED = ("token_embd.weight", "_ape.weight", "tid2eid.weight")
+
+
+def weight_op(t) -> str | None:
+    """The op that runs tensor t in the model: a routed-expert op for a 3-D tensor, the
+    projection of its type for a 2-D weight, None for norms, embeddings and tables.
+    Mirrors ds4.c: weights_validate_layout (l. 2357) (which kernel reads each tensor)"""
+    if len(t.shape) == 3:
+        return "routed_experts_down" if "_down_" in t.name else "routed_experts_mid"
+    if len(t.shape) == 2 and not t.name.endswith(NOT_PROJECTED):
+        return PROJECT_OPS.get(int(t.ggml_type))
+    return None
 
 
 class NumpyBackend:
@@ -107,12 +134,15 @@ class NumpyBackend:
     is_strict = False
     matvec_q8_0_prequant = staticmethod(matvec_q8_0_prequant)
     matvec_f16 = staticmethod(matvec_f16)
+    matvec_f32 = staticmethod(matvec_f32)
     matvec_iq2_xxs_pair_q8_K = staticmethod(matvec_iq2_xxs_pair_q8_K)
     matvec_iq2_xxs_q8_K = staticmethod(matvec_iq2_xxs_q8_K)
     matvec_q2_K_q8_K = staticmethod(matvec_q2_K_q8_K)
     matvec_q4_K_q8_K = staticmethod(matvec_q4_K_q8_K)
     # sink attention over the cache rows (chapter 5)
     attention_rows = staticmethod(attention_rows)
+    # the expert types this class's fused routed_experts_* run itself (None: all)
+    expert_types: dict = {"routed_experts_mid": None, "routed_experts_down": None}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -134,18 +164,74 @@ class NumpyBackend:
         Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
         return self.matvec_q8_0_prequant(w, quantize_q8_0(np.asarray(x, np.float32)))
 
+    def project(self, w, x) -> np.ndarray:
+        """y = W x through the matvec of W's type (PROJECT_OPS): Q8_0 quantizes x (or
+        takes a Q8Act, quantized once for several weights), F16 and F32 stay in float.
+        Mirrors ds4.c: matvec_any (l. 3770)"""
+        t = int(getattr(w, "ggml_type", -1))
+        if isinstance(x, Q8Act) and t == Q8_0:
+            return self.matvec_q8_0_prequant(w, x)
+        if t not in PROJECT_OPS or isinstance(x, Q8Act):
+            raise MatvecError(
+                f"project: tensor {getattr(w, 'name', '?')!r} has type "
+                f"{TYPE_NAMES.get(t, t)} with a {type(x).__name__} input; the model "
+                "projects Q8_0 (float or Q8Act input), F16 and F32 (float input)"
+            )
+        return getattr(self, PROJECT_OPS[t])(w, x)
+
+    def expert_matvec(self, w3):
+        """This backend's row matvec against Q8_K for the type of the 3-D expert
+        tensor w3 (EXPERT_OPS). Mirrors ds4.c: routed_expert_block_bytes (l. 2302)"""
+        op = EXPERT_OPS.get(int(w3.ggml_type))
+        if op is None:
+            raise MatvecError(f"tensor {w3.name!r}: {TYPE_NAMES.get(int(w3.ggml_type))}"
+                              " is not a routed-expert type (IQ2_XXS, Q2_K, Q4_K)")
+        return getattr(self, op)
+
+    def expert_pair(self, w_gate3):
+        """(gate rows, up rows, Q8KAct) -> (g, u) for the type of w_gate3: the fused
+        IQ2_XXS pair kernel, or the type's row matvec twice.
+        Mirrors ds4.c: matvec_iq2_xxs_expert_pair_prequant (l. 3847)"""
+        if int(w_gate3.ggml_type) == IQ2_XXS:
+            return self.matvec_iq2_xxs_pair_q8_K
+        mv = self.expert_matvec(w_gate3)
+        return lambda g, u, a: (mv(g, a), mv(u, a))
+
     def routed_experts_mid(self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0):
         """mid [k, n_ff] of the selected experts: ds4ref.ops.routed_experts_mid (chapter
-        7) over this backend's pair matvec.
+        7) over this backend's matvec for the experts' type.
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
         return routed_experts_mid(w_gate3, w_up3, ids, weights, a, clamp,
-                                  pair_matvec=self.matvec_iq2_xxs_pair_q8_K)
+                                  pair_matvec=self.expert_pair(w_gate3))
 
     def routed_experts_down(self, w_down3, ids, a):
         """Unweighted slot-order sum of the selected experts' down projections:
-        ds4ref.ops.routed_experts_down (chapter 7) over this backend's Q2_K matvec.
-        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
-        return routed_experts_down(w_down3, ids, a, matvec=self.matvec_q2_K_q8_K)
+        ds4ref.ops.routed_experts_down (chapter 7) over this backend's matvec for the
+        experts' type. Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
+        return routed_experts_down(w_down3, ids, a, matvec=self.expert_matvec(w_down3))
+
+    def runs_types(self, op: str, ggml_type: int) -> bool:
+        """Whether this backend runs `op` itself on weights of `ggml_type`.
+        Mirrors ds4.c: nothing (bookkeeping)"""
+        types = self.expert_types.get(op)
+        if types is not None and ggml_type not in types:
+            return False
+        return self.runs_itself(op)
+
+    def check_weights(self, weights) -> None:
+        """At open time: in strict mode, raise UnimplementedOpError naming the first
+        tensor that this backend would hand to numpy (by its type); else return.
+        Mirrors ds4.c: weights_validate_layout (l. 2357), for a backend's kernels"""
+        if not self.is_strict:
+            return
+        for t in weights.tensors():
+            op = weight_op(t) if t is not None else None
+            if op is not None and not self.runs_types(op, int(t.ggml_type)):
+                raise UnimplementedOpError(
+                    f"backend {self.name!r} (strict): {op} for tensor {t.name!r} "
+                    f"({TYPE_NAMES[int(t.ggml_type)]}) is not implemented by this "
+                    "backend (outside strict mode it runs numpy's reference)"
+                )
 
     def runs_itself(self, op: str) -> bool:
         """Whether this backend runs `op` with its own code: implemented, or composed

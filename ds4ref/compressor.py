@@ -49,8 +49,8 @@ def compressor_project(x, wkv, wgate, ape, pos: int, ratio: int, be=NUMPY):
 
     width = 2*head_dim for ratio 4, head_dim for ratio 128.
     Mirrors ds4.c: compressor_decode_one (l. 6514)"""
-    kv = be.matvec_f16(wkv, x)
-    score = be.matvec_f16(wgate, x) + ape.numpy()[pos % ratio]
+    kv = be.project(wkv, x)
+    score = be.project(wgate, x) + ape.numpy()[pos % ratio]
     return kv.astype(np.float32), score.astype(np.float32)
 
 

@@ -106,16 +106,19 @@ class Engine:
         from ds4ref.weights import load_model
         bundled = path is None
         if path is None:
-            from ds4ref.writer import default_model_path
+            from ds4ref.bundled import default_model_path
             path = default_model_path()
         be = resolve_backend(backend)
         gguf, cfg, weights = load_model(path)
+        be.check_weights(weights)   # strict: refuse now what would run in numpy
         eng = cls(Path(path), gguf, cfg, weights, _tokenizer_of(gguf), be)
         from ds4ref.mtp import open_mtp_options
         from ds4ref.steering import open_steering
         eng.steering = open_steering(cfg, steering_file, steering_attn, steering_ffn)
         eng.mtp, eng.mtp_draft_tokens, eng.mtp_margin = open_mtp_options(
             eng, mtp_path, mtp_draft_tokens, mtp_margin, bundled)
+        if eng.mtp is not None:
+            be.check_weights(eng.mtp)
         return eng
 
     @property
@@ -549,162 +552,3 @@ def _unflatten(obj, prefix: str, arrays: dict, path) -> None:
             if isinstance(current, np.ndarray)
             else type(current)(value.item()),
         )
-
-
-def logit_agreement(ours: np.ndarray, ref: np.ndarray) -> dict:
-    """Pearson correlation, mean and max absolute difference of logit rows (last axis),
-    as float arrays."""
-    a = np.asarray(ours, np.float64)
-    b = np.asarray(ref, np.float64)
-    a0, b0 = a - a.mean(-1, keepdims=True), b - b.mean(-1, keepdims=True)
-    corr = (a0 * b0).sum(-1) / np.sqrt((a0 * a0).sum(-1) * (b0 * b0).sum(-1))
-    d = np.abs(a - b)
-    return {"corr": corr, "mean_abs": d.mean(-1), "max_abs": d.max(-1)}
-
-
-def decisions_from_golden(golden, cfg, path: str = "batch") -> dict:
-    """ds4.c's recorded choices as `force_decisions`: {"experts": {il: ids[pos, 6]},
-    "indexer": {il: rows[pos, k]}}.
-
-    The golden files list the top-k routed layers (il >= n_hash_layer) and the ratio-4
-    layers in order."""
-    if path not in ("batch", "stream"):
-        raise ValueError(f"path: expected 'batch' or 'stream', got {path!r}")
-    routed = [il for il in range(cfg.n_layer) if il >= cfg.n_hash_layer]
-    indexed = [il for il in range(cfg.n_layer) if cfg.compress_ratio(il) == 4]
-    ids = np.asarray(golden[f"trace_{path}_expert_ids"])
-    sel = np.asarray(golden[f"trace_{path}_indexer_selected"])
-    return {"experts": {il: ids[:, j] for j, il in enumerate(routed)},
-            "indexer": {il: sel[:, j] for j, il in enumerate(indexed)}}
-
-
-def replay_golden(
-    engine: Engine,
-    golden,
-    path: str = "batch",
-    forced: bool = False,
-    ctx_size: int = 1024,
-    n_prompt: int | None = None,
-    n_steps: int | None = None,
-    trace: Trace = NO_TRACE,
-) -> dict:
-    """Re-run one of ds4.c's recorded runs and return our logits in the golden arrays'
-    layout.
-
-    path "batch": sync(prompt) on a fresh session (layer-major prefill) ->
-    "prompt_logits", then teacher-forced eval of `greedy_tokens` -> "step_logits". path
-    "stream": a 1-token prefill, then the prompt token by token -> "pos_logits" [P, V],
-    then `stream_greedy_tokens` -> "step_logits". forced=True replays ds4's recorded
-    expert and indexer decisions of that path."""
-    prompt = [int(t) for t in golden["prompt_ids"]][:n_prompt]
-    force = decisions_from_golden(golden, engine.cfg, path) if forced else None
-    s = engine.session(ctx_size, force_decisions=force)
-    s.trace = trace
-    out = {}
-    if path == "batch":
-        s.sync(prompt)
-        out["prompt_logits"] = s.logits.copy()
-        steps = golden["greedy_tokens"]
-    else:
-        rows = []
-        s.sync(prompt[:1])
-        rows.append(s.logits.copy())
-        for t in prompt[1:]:
-            rows.append(s.eval(t).copy())
-        out["pos_logits"] = np.stack(rows)
-        steps = golden["stream_greedy_tokens"]
-    out["step_logits"] = (
-        np.stack([s.eval(int(t)).copy() for t in steps[:n_steps]])
-        if len(steps[:n_steps])
-        else np.zeros((0, engine.cfg.n_vocab), np.float32)
-    )
-    return out
-
-
-from ds4ref.backend import NUMPY
-from ds4ref.indexer import indexer_allowed
-from ds4ref.moe import topk_selected_experts
-
-# the inputs of both decisions
-SHADOW_TRACE = ("router_probs", "attn_norm", "qr_norm", "cache_icomp")
-
-
-def shadow_decisions(cfg, weights, trace: Trace, be=NUMPY) -> dict:
-    """The expert and indexer choices ds4ref's own logic makes from the inputs a run
-    traced (SHADOW_TRACE).
-
-    Layout of `force_decisions` (-1 rows: no indexer selection) plus the scores behind
-    them:
-    {"experts": {il: ids[N, 6]}, "indexer": {il: rows[N, top_k]}, "expert_scores": {il:
-    [N, n_expert]}, "indexer_scores": {il: {pos: [n_comp]}}}. Needs every position
-    0..N-1 traced.
-    Mirrors ds4.c: layer_topk_selected_experts_from_probs (l. 5329),
-    indexer_allowed_decode_one (l. 6943)
-    """
-    out = {"experts": {}, "indexer": {}, "expert_scores": {}, "indexer_scores": {}}
-    for il, lw in enumerate(weights.layers):
-        if lw.ffn_gate_tid2eid is None:                       # a top-k routed layer
-            pos, probs = trace.series("router_probs", il)    # [N], [N, n_expert]
-            if not np.array_equal(pos, np.arange(len(pos))):
-                raise ValueError(
-                    f"shadow_decisions: layer {il}: traced positions are not "
-                    f"0..{len(pos) - 1}"
-                )
-            bias = None if lw.ffn_exp_probs_b is None else lw.ffn_exp_probs_b.numpy()
-            out["experts"][il] = topk_selected_experts(probs, bias, cfg.n_expert_used)
-            out["expert_scores"][il] = (
-                probs if bias is None else (probs + bias).astype(np.float32)
-            )
-        if cfg.compress_ratio(il) == 4:
-            pos, _ = trace.series("attn_norm", il)
-            rows = np.full((len(pos), cfg.indexer_top_k), -1, np.int32)
-            scores = {}
-            for p in pos:
-                icomp = trace[f"L{il}.P{p}.cache_icomp"]
-                if len(icomp) <= cfg.indexer_top_k:
-                    continue  # every row visible: no selection
-                got = {}
-                allowed = indexer_allowed(
-                    cfg,
-                    lw,
-                    il,
-                    trace[f"L{il}.P{p}.attn_norm"],
-                    trace[f"L{il}.P{p}.qr_norm"],
-                    icomp,
-                    int(p),
-                    be,
-                    lambda n, v: got.__setitem__(n, v),
-                )
-                rows[p] = np.flatnonzero(allowed)
-                scores[int(p)] = got["idx_scores"]
-            out["indexer"][il], out["indexer_scores"][il] = rows, scores
-    return out
-
-
-def decision_mismatches(decisions: dict, golden, path: str = "batch") -> dict:
-    """Where decisions (shadow_decisions' layout) differ from ds4.c's recorded ones, as
-    sets.
-
-    Returns bool {"experts": [N, n_routed], "indexer": [N, n_indexed]}, layers in the
-    golden files' order."""
-    ids = np.asarray(golden[f"trace_{path}_expert_ids"])
-    sel = np.asarray(golden[f"trace_{path}_indexer_selected"])
-    n = len(ids)
-    ours_e = [decisions["experts"][il] for il in sorted(decisions["experts"])]
-    ours_i = [decisions["indexer"][il] for il in sorted(decisions["indexer"])]
-    if (
-        len(ours_e) != ids.shape[1]
-        or len(ours_i) != sel.shape[1]
-        or any(len(o) < n for o in ours_e + ours_i)
-    ):
-        raise ValueError(
-            f"decision_mismatches: decisions do not cover the golden's {n} "
-            "positions and layers"
-        )
-    differ = lambda ours, ref: np.array(
-        [
-            [set(o[p].tolist()) != set(ref[p, j].tolist()) for j, o in enumerate(ours)]
-            for p in range(n)
-        ]
-    )
-    return {"experts": differ(ours_e, ids), "indexer": differ(ours_i, sel)}

@@ -38,7 +38,7 @@ def hc_mix(X, fn, cfg, be=NUMPY) -> np.ndarray:
     Mirrors ds4.c: hc_pre_from_state_one_scratch (l. 4356)"""
     X = _check_hc_state(X, cfg, "hc_mix")
     flat = rms_norm_no_weight(X.reshape(X.shape[:-2] + (-1,)), cfg.rms_eps)
-    return be.matvec_f16(fn, flat)
+    return be.project(fn, flat)
 
 
 def hc_split_sinkhorn(

@@ -23,7 +23,7 @@ def indexer_query(cfg, lw, il: int, qr_norm, pos: int, be=NUMPY):
     [n_indexer_head, 128].
 
     Mirrors ds4.c: indexer_allowed_decode_one (l. 6943)"""
-    q = be.matvec_f16(lw.indexer_attn_q_b, qr_norm).reshape(
+    q = be.project(lw.indexer_attn_q_b, qr_norm).reshape(
         cfg.n_indexer_head, cfg.indexer_head_dim
     )
     q_rope = rope_tail(q, pos, cfg, cfg.compress_ratio(il))
@@ -35,7 +35,7 @@ def indexer_weights(cfg, lw, attn_norm, be=NUMPY):
     1/sqrt(128*n_head)), [n_indexer_head].
 
     Mirrors ds4.c: indexer_allowed_decode_one (l. 6943)"""
-    w = be.matvec_f16(lw.indexer_proj, attn_norm).astype(np.float32)
+    w = be.project(lw.indexer_proj, attn_norm).astype(np.float32)
     scale = np.float32(1) / np.sqrt(
         np.float32(cfg.indexer_head_dim * cfg.n_indexer_head)
     )

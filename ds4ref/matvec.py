@@ -10,6 +10,7 @@ from ds4ref.gguf import DS4RefError
 from ds4ref.quant import (
     BLOCKS,
     F16,
+    F32,
     IQ2_XXS,
     Q2_K,
     Q4_K,
@@ -221,6 +222,25 @@ def matvec_f16(w, x) -> np.ndarray:
     x2 = x.astype(np.float32, copy=False).reshape(-1, n)
     out = by_row_chunks(
         raw, len(x2), n, lambda raw: x2 @ raw.view("<f2").astype(np.float32).T
+    )
+    return out.reshape(x.shape[:-1] + (raw.shape[0],))
+
+
+def matvec_f32(w, x) -> np.ndarray:
+    """y = W x for an F32 weight [rows, n] and float32 x [..., n], summed in float64 and
+    rounded once to float32.
+
+    Returns float32 [..., rows]. Mirrors ds4.c: matvec_f32 (l. 3758)"""
+    raw = weight_rows(w, F32)
+    n = row_elements(raw, F32)
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[-1] != n:
+        raise MatvecError(
+            f"F32 matvec: x has shape {x.shape}, the weight rows have {n} values"
+        )
+    x2 = x.astype(np.float64).reshape(-1, n)
+    out = by_row_chunks(   # float64 products and sums; the float32 out rounds once
+        raw, len(x2), n, lambda raw: x2 @ raw.view("<f4").astype(np.float64).T
     )
     return out.reshape(x.shape[:-1] + (raw.shape[0],))
 

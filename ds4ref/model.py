@@ -55,7 +55,7 @@ def output_logits(
     weights = output_hc_weights(mix, w.output_hc_scale, w.output_hc_base, cfg.hc_eps)
     embd = hc_weighted_sum(X, weights)                                       # [n_embd]
     normed = rms_norm_weight(embd, w.output_norm, cfg.rms_eps)
-    logits = be.matvec_q8_0(w.output, normed)                                # [n_vocab]
+    logits = be.project(w.output, normed)                                    # [n_vocab]
     for name, v in (("out_hc_mix", mix), ("out_hc_w", weights), ("out_embd", embd),
                     ("out_norm", normed), ("logits", logits)):
         trace(name, v)

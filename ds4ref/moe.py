@@ -63,8 +63,8 @@ def shared_ffn_one(lw, f, cfg, be=NUMPY, trace=NO_TRACE):
     a = quantize_q8_0(f)
     _trace_quant(trace, "q8.ffn_gate_shexp", a)
     # [..., n_ff]
-    g = be.matvec_q8_0_prequant(lw.ffn_gate_shexp, a)
-    u = be.matvec_q8_0_prequant(lw.ffn_up_shexp, a)
+    g = be.project(lw.ffn_gate_shexp, a)
+    u = be.project(lw.ffn_up_shexp, a)
     mid = swiglu(g, u, cfg.swiglu_clamp)
     trace("shared_gate", g)
     trace("shared_up", u)
@@ -72,7 +72,7 @@ def shared_ffn_one(lw, f, cfg, be=NUMPY, trace=NO_TRACE):
     if trace is not NO_TRACE:
         # what matvec_q8_0 quantizes inside
         _trace_quant(trace, "q8.ffn_down_shexp", quantize_q8_0(mid))
-    out = be.matvec_q8_0(lw.ffn_down_shexp, mid)           # [..., n_embd]
+    out = be.project(lw.ffn_down_shexp, mid)               # [..., n_embd]
     trace("shared_out", out)
     return out
 
@@ -88,7 +88,7 @@ def router_probs(lw, f, be=NUMPY):
             f"layer {getattr(lw, 'il', '?')}: router tensor ffn_gate_inp is missing"
         )
     logits = _per_token(
-        lambda v: be.matvec_f16(lw.ffn_gate_inp, v), np.asarray(f, np.float32), 1
+        lambda v: be.project(lw.ffn_gate_inp, v), np.asarray(f, np.float32), 1
     )
     return logits, np.sqrt(softplus_stable(logits)).astype(np.float32)
 
@@ -231,12 +231,12 @@ def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=No
     moe = be.routed_experts_down(down_w, sel, midq)  # [n_embd]
 
     if trace is not NO_TRACE:  # the per-expert vectors, for the record only
-        gate, up = experts_gate_up(gate_w, up_w, sel, xq, be.matvec_iq2_xxs_pair_q8_K)
+        gate, up = experts_gate_up(gate_w, up_w, sel, xq, be.expert_pair(gate_w))
         trace("exp_gate", gate)
         trace("exp_up", up)
         trace("exp_mid", mid)
         _trace_quant(trace, "q8k.ffn_down_exps", midq)
-        trace("exp_down", experts_down(down_w, sel, midq, be.matvec_q2_K_q8_K))
+        trace("exp_down", experts_down(down_w, sel, midq, be.expert_matvec(down_w)))
         trace("moe_out", moe)
     return moe
 
@@ -317,10 +317,11 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=NO_TRACE, force_experts
     expert_of = sel.reshape(-1)
     gate = np.empty((T, k, cfg.n_ff_exp), np.float32)
     up = np.empty_like(gate)
+    pair, down_mv = be.expert_pair(gate_w), be.expert_matvec(down_w)
     for e in np.unique(expert_of):  # each active expert once
         p = np.flatnonzero(expert_of == e)
         t, s = tok_of[p], slot_of[p]
-        gate[t, s], up[t, s] = be.matvec_iq2_xxs_pair_q8_K(
+        gate[t, s], up[t, s] = pair(
             gate_w.expert(int(e)), up_w.expert(int(e)), q8k_rows(xq, t)
         )
     mid = (swiglu(gate, up, cfg.swiglu_clamp) * weights[..., None]).astype(np.float32)
@@ -329,7 +330,7 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=NO_TRACE, force_experts
     for e in np.unique(expert_of):
         p = np.flatnonzero(expert_of == e)
         t, s = tok_of[p], slot_of[p]
-        down[t, s] = be.matvec_q2_K_q8_K(down_w.expert(int(e)), q8k_rows(midq, (t, s)))
+        down[t, s] = down_mv(down_w.expert(int(e)), q8k_rows(midq, (t, s)))
     moe = sum_slots(down)  # per token, slot order
 
     trace("exp_gate", gate)

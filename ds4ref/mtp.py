@@ -70,6 +70,12 @@ class MTPWeights:
     block: LayerWeights
     path: Path | None = None
 
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the file: the top ones, then the block's."""
+        top = [self.e_proj, self.h_proj, self.enorm, self.hnorm, self.norm,
+               self.hc_head_base, self.hc_head_fn, self.hc_head_scale]
+        return top + self.block.tensors()
+
 
 def mtp_weights_bind(g: GGUFFile, cfg) -> MTPWeights:
     """Bind an MTP GGUF's tensors by name, checking type and shape against the main cfg.
@@ -111,9 +117,9 @@ def mtp_input_hc(cfg, w, mtp: MTPWeights, token: int, prev_hc, be=NUMPY) -> np.n
     Mirrors ds4.c: metal_graph_eval_mtp_draft_from_hc (l. 12852), its input half"""
     e = embed_token(w, token)                                                # [n_embd]
     en = rms_norm_weight(e, mtp.enorm, cfg.rms_eps)
-    ep = be.matvec_q8_0(mtp.e_proj, en)                                  # [n_embd]
+    ep = be.project(mtp.e_proj, en)                                      # [n_embd]
     hn = rms_norm_weight(np.asarray(prev_hc, np.float32), mtp.hnorm, cfg.rms_eps)
-    hp = be.matvec_q8_0(mtp.h_proj, hn)                              # [n_hc, n_embd]
+    hp = be.project(mtp.h_proj, hn)                                  # [n_hc, n_embd]
     return (ep[None, :] + hp).astype(np.float32)
 
 
@@ -326,7 +332,7 @@ def open_mtp_options(engine, path, draft_tokens: int, margin: float, bundled: bo
     n = min(max(int(draft_tokens), 1), 16)
     margin = float(margin) if margin >= 0 else 3.0
     if path is None and bundled:
-        from ds4ref.writer import default_mtp_path
+        from ds4ref.bundled import default_mtp_path
         path = default_mtp_path()
     mtp = None if path is None else load_mtp(path, engine.cfg)
     return mtp, n, margin

@@ -22,9 +22,11 @@ from ds4ref.backend import NUMPY
 from ds4ref.backends import (BACKENDS, HARDWARE, VERIFIED, BackendError, UnimplementedOpError, available_backends,
                              backend_status, choose_backend, get_backend)
 from ds4ref.backends.cupy_backend import KERNEL_FILES, KERNEL_NAMES, kernel_source
-from ds4ref.engine import Engine, logit_agreement, replay_golden
+from ds4ref.engine import Engine
+from ds4ref.dev.oracle import logit_agreement, replay_golden
 from ds4ref.matvec import MatvecError
-from ds4ref.quant import Q8KAct, quantize, quantize_q8_0, quantize_q8_K
+from ds4ref.quant import Q8KAct, quantize_q8_0, quantize_q8_K
+from ds4ref.dev.quantize import quantize
 
 from _helpers import q8, q8k, rel
 
@@ -259,7 +261,7 @@ def test_numba_fused_expert_kernels_give_the_same_bits_on_either_path(model, ops
     same bits on ds4's recorded activations, and a -128 code (which the byte path cannot negate) is routed to the
     portable mid kernel. On a CPU without AVX2 both paths are the portable kernels and this compares them."""
     import ds4ref.backends.numba_backend as nbm
-    from ds4ref.numba_kernels import IQ2_XXS_SIMD, Q2_K_SIMD
+    from ds4ref.backends.numba_kernels import IQ2_XXS_SIMD, Q2_K_SIMD
     assert (nbm.EXPERTS_MID_SIMD is None) == (IQ2_XXS_SIMD is None)          # chapter 03's choice decides
     assert (nbm.EXPERTS_DOWN_SIMD is None) == (Q2_K_SIMD is None)
     nb = get_backend("numba", strict=True)

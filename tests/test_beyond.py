@@ -235,7 +235,7 @@ MICRO = dataclasses.replace(
 def micro_engine(seed: int, draft: int = 4) -> Engine:
     import tempfile
     from pathlib import Path
-    from ds4ref.writer import write_model, write_mtp_model
+    from ds4ref.dev.writer import write_model, write_mtp_model
     d = Path(tempfile.mkdtemp(prefix=f"ds4ref-mtp-{seed}-"))
     write_model(d / "m.gguf", MICRO, seed=seed)
     write_mtp_model(d / "m-mtp.gguf", MICRO, seed=seed)
@@ -245,7 +245,7 @@ def micro_engine(seed: int, draft: int = 4) -> Engine:
 def test_mtp_gguf_layout_and_errors(oracle_dir, tmp_path):
     from ds4ref.mtp import MTPError, load_mtp, mtp_tensor_specs
     from ds4ref.gguf import GGUFFile
-    from ds4ref.writer import write_mtp_model
+    from ds4ref.dev.writer import write_mtp_model
     cfg = ModelConfig.tiny()
     names = [s.name for s in mtp_tensor_specs(cfg)]
     assert len(names) == 32 and names[:3] == ["mtp.0.hc_head_base.weight", "mtp.0.hc_head_fn.weight",
@@ -459,7 +459,7 @@ def _llama_mtp():
 
 def _synthetic_engine():
     """The seed-7 synthetic model and its MTP GGUF, on which llama.cpp was recorded."""
-    from ds4ref.writer import synthetic_model_path, synthetic_mtp_path
+    from ds4ref.dev.writer import synthetic_model_path, synthetic_mtp_path
     return Engine.open(synthetic_model_path(), backend="numpy", mtp_path=synthetic_mtp_path())
 
 
@@ -468,7 +468,7 @@ def _ds4ref_mtp_steps(rec):
     [N, 4, E]."""
     from ds4ref.kvcache import LayerCache
     from ds4ref.mtp import MTP_IL, mtp_draft_step
-    from ds4ref.writer import WRITER_VERSION
+    from ds4ref.dev.writer import WRITER_VERSION
     assert int(rec["writer_version"]) == WRITER_VERSION
     eng = _synthetic_engine()
     cache = LayerCache(eng.cfg, MTP_IL, 64)

@@ -17,9 +17,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds4ref.engine import (SHADOW_TRACE, ContextOverflowError, EmptyPromptError, Engine, NoLogitsError,
-                           SessionError, TokenRangeError, decision_mismatches, decisions_from_golden,
-                           logit_agreement, replay_golden, shadow_decisions)
+from ds4ref.dev.oracle import (
+    SHADOW_TRACE,
+    decision_mismatches,
+    decisions_from_golden,
+    logit_agreement,
+    replay_golden,
+    shadow_decisions,
+)
+from ds4ref.engine import (
+    ContextOverflowError,
+    EmptyPromptError,
+    Engine,
+    NoLogitsError,
+    SessionError,
+    TokenRangeError,
+)
 from ds4ref.sample import SampleRNG, SamplingError
 from ds4ref.trace import Trace
 
@@ -136,7 +149,7 @@ def _yardstick_case(case: str, request):
         return request.getfixturevalue(f"golden_{case}"), request.getfixturevalue(f"runs_{case}")
     if case not in _FREE_RUNS:
         import hashlib
-        from ds4ref.writer import synthetic_model_path
+        from ds4ref.dev.writer import synthetic_model_path
         spec = REBUILD_CASES[case]
         golden = np.load(ROOT / spec["golden"])
         path = synthetic_model_path() if spec["model"] == "bundled" else ROOT / spec["model"]
@@ -597,7 +610,7 @@ def test_output_head_matches_ds4c_ops(engine, ops_A):
 def small_engine(tmp_path_factory):
     """A very small DS4 model: 3 layers (dense, dense, ratio 4 + indexer top 2), SWA window 8."""
     from ds4ref.config import ModelConfig
-    from ds4ref.writer import write_model
+    from ds4ref.dev.writer import write_model
     cfg = dataclasses.replace(ModelConfig.tiny(), n_layer=3, compress_ratios=(0, 0, 4), n_swa=8,
                               indexer_top_k=2)
     path = write_model(tmp_path_factory.mktemp("small") / "small.gguf", cfg, seed=3)

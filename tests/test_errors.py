@@ -79,7 +79,7 @@ def test_errors_keep_their_builtin_base():
     from ds4ref.backend import BackendError
     from ds4ref.engine import ContextOverflowError, SessionError
     from ds4ref.gguf import GGUFError
-    from ds4ref.writer import SparseFileError
+    from ds4ref.dev.writer import SparseFileError
     for cls in (GGUFError, SessionError, ContextOverflowError, BackendError):
         assert issubclass(cls, ValueError) and issubclass(cls, DS4RefError)
     assert issubclass(SparseFileError, OSError)
@@ -87,7 +87,7 @@ def test_errors_keep_their_builtin_base():
     assert ds4ref.engine.BackendError is ds4ref.backends.BackendError is BackendError
 
 
-HEAVY = ("numba", "llvmlite", "mlx", "cupy", "matplotlib", "ds4ref.writer")
+HEAVY = ("numba", "llvmlite", "mlx", "cupy", "matplotlib", "ds4ref.dev.writer")
 
 
 def test_import_ds4ref_is_light():
@@ -98,4 +98,4 @@ def test_import_ds4ref_is_light():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=PKG.parent, check=True)
     assert r.stdout.split() == [], f"import ds4ref loaded: {r.stdout.strip()}"
-    assert ds4ref.write_model.__module__ == "ds4ref.writer"
+    assert ds4ref.write_model.__module__ == "ds4ref.dev.writer"

@@ -27,8 +27,17 @@ import ds4ref
 from ds4ref.config import ModelConfig, config_from_metadata
 from ds4ref.gguf import GGMLType, GGUFError, GGUFFile, GGUFValueType as V, type_nbytes
 from ds4ref.weights import bind_weights, check_tokenizer_metadata, load_model, tensor_specs
-from ds4ref.writer import (TensorData, default_model_path, synthetic_model_path, model_metadata, model_tensors, train_bpe,
-                           CORPUS, write_gguf, write_model)
+from ds4ref.dev.writer import (
+    TensorData,
+    synthetic_model_path,
+    model_metadata,
+    model_tensors,
+    train_bpe,
+    CORPUS,
+    write_gguf,
+    write_model,
+)
+from ds4ref.bundled import default_model_path
 
 DEFAULT_MODEL_SHA256 = "b83839d07adb619596e1f57cdbb9925eddad4eb2d8bf2e92ad67c4535dffa36d"
 
@@ -639,7 +648,7 @@ def test_hole_mode_writes_the_same_header_and_no_data(tmp_path):
 
 
 def test_hole_mode_refuses_a_filesystem_without_holes(tmp_path, monkeypatch):
-    import ds4ref.writer as writer
+    import ds4ref.dev.writer as writer
     monkeypatch.setattr(writer, "sparse_files_supported", lambda d: False)
     with pytest.raises(writer.SparseFileError, match="does not support sparse files"):
         write_model(tmp_path / "x.gguf", MICRO, data="hole")
@@ -649,7 +658,7 @@ def test_hole_mode_refuses_a_filesystem_without_holes(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def real_hole(tmp_path_factory):
     """The real shape's header and directory in a sparse file: 86.7 GB, 6 MB on disk."""
-    from ds4ref.writer import sparse_files_supported
+    from ds4ref.dev.writer import sparse_files_supported
     d = tmp_path_factory.mktemp("real_hole")
     if not sparse_files_supported(d):
         pytest.skip(f"the filesystem of {d} does not support sparse files (holes): "

@@ -9,13 +9,11 @@ import ds4ref
 
 PKG = Path(ds4ref.__file__).resolve().parent
 
-# Edges of cycles that only chapter 11 (`ds4ref.mtp`, and its cells in `ds4ref.writer`) can
-# break: mtp imports engine's session errors inside a function while engine opens the MTP
-# model, and writer.write_mtp_model and mtp.default path import each other. Each entry must
-# still exist (test_known_cycle_edges_still_exist), so that the list shrinks when they go.
+# Edges of cycles that only chapter 11 (`ds4ref.mtp`) can break: mtp imports engine's
+# session errors inside a function while engine opens the MTP model. Each entry must still
+# exist (test_known_cycle_edges_still_exist), so that the list shrinks when they go.
 KNOWN_CYCLE_EDGES = {
     ("ds4ref.mtp", "ds4ref.engine"),   # mtp._check_speculative: SessionError & co.
-    ("ds4ref.mtp", "ds4ref.writer"),   # mtp.load_mtp's default: writer.default_mtp_path
 }
 
 
@@ -152,3 +150,15 @@ def test_the_check_finds_a_cycle_through_a_function_level_import(tmp_path):
     cycle = find_cycle(graph, skip={("toy.a", "toy.b")})
     assert cycle == ["toy.sub", "toy.sub.impl", "toy.sub"], cycle
     assert find_cycle(graph, skip={("toy.a", "toy.b"), ("toy.sub.impl", "toy.sub")}) is None
+
+
+def test_inference_never_imports_dev_tooling():
+    """ds4ref.dev (the writer, the weight quantizers, oracle helpers, benches) sits above the model:
+    only dev itself, the optional trainer and the command line's lazy names may import it."""
+    graph = import_graph(PKG)
+    allowed = ("ds4ref.dev", "ds4ref.train", "ds4ref")   # ds4ref: the lazy _LAZY table (strings, no import)
+    bad = {(a, b) for a, edges in graph.items() for b in edges
+           if b.startswith("ds4ref.dev") and not a.startswith(allowed[:2]) and a != "ds4ref"}
+    assert not bad, sorted(bad)
+    assert any(b.startswith("ds4ref.dev") for b in graph["ds4ref.dev.oracle"]) is False
+    assert "ds4ref.engine" in graph["ds4ref.dev.oracle"]       # dev builds on the engine, not the reverse

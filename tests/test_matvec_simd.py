@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from llvmlite import binding as llvm
 
-import ds4ref.numba_kernels as nk
+import ds4ref.backends.numba_kernels as nk
 from ds4ref.backend import NUMPY
 from ds4ref.backends import get_backend
 from ds4ref.matvec import weight_rows

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
+import ds4ref.dev.quantize as WQ  # the weight quantizers (appendix C)
 import ds4ref.quant as Q
 from ds4ref.quant import QuantError
 
@@ -224,12 +225,12 @@ def gaussian(rows, n, seed=0):
 def test_quantize_q8_0_equals_gguf_package():
     x = gaussian(64, 512, seed=1)
     x[5, :32] = np.float32(0.5) * np.arange(32) - 8               # exact .5 ties after scaling
-    assert np.array_equal(Q.quantize(x, Q.Q8_0), gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
+    assert np.array_equal(WQ.quantize(x, Q.Q8_0), gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
 
 
 def test_q8_0_round_trip_within_half_step_plus_scale_rounding():
     x = gaussian(64, 512, seed=2)
-    err = np.abs(Q.dequantize(Q.quantize(x, Q.Q8_0), Q.Q8_0) - x).reshape(-1, 32)
+    err = np.abs(Q.dequantize(WQ.quantize(x, Q.Q8_0), Q.Q8_0) - x).reshape(-1, 32)
     amax = np.abs(x).reshape(-1, 32).max(1, keepdims=True)
     # |x - q f16(d)| <= d/2 + 127 |d - f16(d)|, and F16 rounds d by at most 2^-11 d (normal) or 2^-25 (subnormal)
     d = amax / 127
@@ -240,7 +241,7 @@ def test_q8_0_round_trip_within_half_step_plus_scale_rounding():
 def test_k_quant_group_rms_within_half_the_covering_step(name, group, levels, n_scale):
     t = getattr(Q, name)
     x = gaussian(32, 1024, seed=3)
-    err = (Q.dequantize(Q.quantize(x, t), t) - x).reshape(-1, 256 // group, group)
+    err = (Q.dequantize(WQ.quantize(x, t), t) - x).reshape(-1, 256 // group, group)
     xg = x.reshape(err.shape)
     lo, hi = np.minimum(xg.min(-1), 0), xg.max(-1)
     slack = 1 + 2.0**-9                                           # F16 rounding up of d and dmin, float32 ops
@@ -259,7 +260,7 @@ def test_iq2_xxs_points_are_optimal_given_the_scales():
     """Brute force over all 256 x 128 signed grid points: the quantizer's choice has the least error."""
     x = np.random.default_rng(9).standard_normal((2, 256)).astype(np.float32)
     x[1] *= np.linspace(0.01, 3, 256, dtype=np.float32)            # groups of very different sizes
-    raw = Q.quantize(x, Q.IQ2_XXS)
+    raw = WQ.quantize(x, Q.IQ2_XXS)
     d, _, _, scales = Q.unpack_iq2_xxs_indices(raw)
     y = Q.dequantize(raw, Q.IQ2_XXS)
     signed = (Q.iq2xxs_grid[:, None, :].astype(np.float32) * Q.iq2xxs_signs[None, :, :]).reshape(-1, 8)
@@ -272,7 +273,7 @@ def test_iq2_xxs_points_are_optimal_given_the_scales():
 
 def test_iq2_xxs_round_trip_error_on_gaussian_weights():
     x = np.random.default_rng(7).standard_normal((8, 1024)).astype(np.float32)
-    err = Q.dequantize(Q.quantize(x, Q.IQ2_XXS), Q.IQ2_XXS) - x
+    err = Q.dequantize(WQ.quantize(x, Q.IQ2_XXS), Q.IQ2_XXS) - x
     ratio = np.sqrt((err ** 2).mean() / (x ** 2).mean())
     # above the Gaussian rate-distortion limit 2^-2.0625 = 0.239; measured 0.327
     assert 0.239 < ratio < 0.335
@@ -282,16 +283,16 @@ def test_iq2_xxs_imatrix_trades_error_towards_important_columns():
     x = np.random.default_rng(8).standard_normal((8, 512)).astype(np.float32)
     w = np.ones(512, np.float32)
     w[::8] = 100
-    plain = (Q.dequantize(Q.quantize(x, Q.IQ2_XXS), Q.IQ2_XXS) - x) ** 2
-    weighted = (Q.dequantize(Q.quantize(x, Q.IQ2_XXS, imatrix=w), Q.IQ2_XXS) - x) ** 2
+    plain = (Q.dequantize(WQ.quantize(x, Q.IQ2_XXS), Q.IQ2_XXS) - x) ** 2
+    weighted = (Q.dequantize(WQ.quantize(x, Q.IQ2_XXS, imatrix=w), Q.IQ2_XXS) - x) ** 2
     assert weighted[:, ::8].mean() < 0.7 * plain[:, ::8].mean()
 
 
 def test_f16_and_bf16_weights_round_to_nearest_even():
     x = gaussian(4, 256, seed=5)
-    assert np.array_equal(Q.dequantize(Q.quantize(x, Q.F16), Q.F16), Q.f16_round(x))
+    assert np.array_equal(Q.dequantize(WQ.quantize(x, Q.F16), Q.F16), Q.f16_round(x))
     ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)
-    assert np.array_equal(Q.quantize(x, Q.BF16), np.asarray(ref).view(np.uint8).reshape(4, -1))
+    assert np.array_equal(WQ.quantize(x, Q.BF16), np.asarray(ref).view(np.uint8).reshape(4, -1))
 
 
 # ---------------------------------------------------------------- bad input
@@ -305,16 +306,16 @@ def test_quant_error_is_a_value_error():
     (lambda: Q.dequantize(np.zeros((2, 34), np.float32), Q.Q8_0), "must be uint8"),
     (lambda: Q.dequantize(np.zeros((2, 34), np.uint8), 7), "unknown or unsupported ggml type id 7"),
     (lambda: Q.dequantize(np.zeros((2, 34), np.uint8), "Q8_0"), "unknown or unsupported ggml type id 'Q8_0'"),
-    (lambda: Q.quantize(np.zeros((2, 100), np.float32), Q.Q2_K), "row length 100 is not a multiple of the Q2_K block"),
-    (lambda: Q.quantize(np.zeros((2, 256), np.float32), Q.Q8_K), "activation format"),
-    (lambda: Q.quantize(np.zeros((2, 256), np.float32), 99), "unknown or unsupported ggml type id 99"),
+    (lambda: WQ.quantize(np.zeros((2, 100), np.float32), Q.Q2_K), "row length 100 is not a multiple of the Q2_K block"),
+    (lambda: WQ.quantize(np.zeros((2, 256), np.float32), Q.Q8_K), "activation format"),
+    (lambda: WQ.quantize(np.zeros((2, 256), np.float32), 99), "unknown or unsupported ggml type id 99"),
     (lambda: Q.quantize_q8_K(np.zeros(100, np.float32)), "length 100 is not a multiple of 256"),
     (lambda: Q.fp8_kv_quantize_row(np.zeros(100, np.float32), 64), "multiple of 64"),
     (lambda: Q.indexer_qat_row(np.zeros(64, np.float32)), "128 wide"),
     (lambda: Q.quantize_q8_0(np.float32(1)), "scalar"),
-    (lambda: Q.quantize(np.full((1, 32), 1e7, np.float32), Q.Q8_0), "block scale would overflow F16"),
-    (lambda: Q.quantize(np.full((1, 256), 1.1e7, np.float32), Q.IQ2_XXS), "block scale would overflow F16"),
-    (lambda: Q.quantize(np.full((1, 8), 1e5, np.float32), Q.F16), "beyond the F16 range"),
+    (lambda: WQ.quantize(np.full((1, 32), 1e7, np.float32), Q.Q8_0), "block scale would overflow F16"),
+    (lambda: WQ.quantize(np.full((1, 256), 1.1e7, np.float32), Q.IQ2_XXS), "block scale would overflow F16"),
+    (lambda: WQ.quantize(np.full((1, 8), 1e5, np.float32), Q.F16), "beyond the F16 range"),
 ])
 def test_bad_shapes_and_types_raise_quant_error(call, match):
     with pytest.raises(QuantError, match=match):
@@ -322,8 +323,8 @@ def test_bad_shapes_and_types_raise_quant_error(call, match):
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("fn", [Q.quantize_q8_0, Q.quantize_q8_K, lambda x: Q.quantize(x, Q.IQ2_XXS),
-                                lambda x: Q.quantize(x, Q.Q8_0), lambda x: Q.fp8_kv_quantize_row(x, 64),
+@pytest.mark.parametrize("fn", [Q.quantize_q8_0, Q.quantize_q8_K, lambda x: WQ.quantize(x, Q.IQ2_XXS),
+                                lambda x: WQ.quantize(x, Q.Q8_0), lambda x: Q.fp8_kv_quantize_row(x, 64),
                                 lambda x: Q.fp4_act_quantize(x)])
 def test_non_finite_input_to_a_quantizer_raises(fn, bad):
     x = np.ones(256, np.float32)
@@ -370,7 +371,7 @@ def test_largest_allowed_weights_keep_finite_scales():
         x = np.random.default_rng(t).uniform(-1, 1, (2, 256)).astype(np.float32)
         x[:, 7] = np.float32(top) * np.float32(1 - 2.0**-20)
         x[:, 9] = -x[:, 7]
-        w = Q.dequantize(Q.quantize(x, t), t)
+        w = Q.dequantize(WQ.quantize(x, t), t)
         assert np.isfinite(w).all() and np.abs(w).max() <= top * 1.01, Q.TYPE_NAMES[t]
         assert (np.sign(w[:, 7]) == 1).all() and (np.sign(w[:, 9]) == -1).all(), Q.TYPE_NAMES[t]
 
@@ -380,12 +381,12 @@ def test_empty_and_one_dimensional_inputs():
     assert Q.quantize_q8_K(np.zeros((0,), np.float32)).d.shape == (0,)
     assert Q.dequantize(np.zeros((0, 84), np.uint8), Q.Q2_K).shape == (0, 256)
     x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
-    raw = Q.quantize(x, Q.Q4_K)
+    raw = WQ.quantize(x, Q.Q4_K)
     assert raw.shape == (144,) and Q.dequantize(raw, Q.Q4_K).shape == (256,)
     with pytest.raises(QuantError, match="imatrix is only used by IQ2_XXS"):
-        Q.quantize(x, Q.Q2_K, imatrix=np.ones(256))
+        WQ.quantize(x, Q.Q2_K, imatrix=np.ones(256))
     with pytest.raises(QuantError, match="imatrix must be 256"):
-        Q.quantize(x, Q.IQ2_XXS, imatrix=np.ones(255))
+        WQ.quantize(x, Q.IQ2_XXS, imatrix=np.ones(255))
 
 
 def test_iq2_xxs_index_fields_expand_to_grid_and_signs():
@@ -442,6 +443,6 @@ def test_activation_quantizers_round_trip_within_half_a_step(x):
 @pytest.mark.parametrize("name", ["Q8_0", "Q2_K", "Q4_K", "IQ2_XXS", "F16", "BF16"])
 def test_quantized_weights_decode_the_same_with_the_gguf_package(name):
     t = getattr(Q, name)
-    raw = Q.quantize(gaussian(8, 512, seed=13), t)
+    raw = WQ.quantize(gaussian(8, 512, seed=13), t)
     ref = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t)), np.float32).reshape(8, 512)
     assert np.array_equal(bits(Q.dequantize(raw, t)), bits(ref))

@@ -181,11 +181,11 @@ def ds4c_tokenizer(request, oracle_dir, oracle_vocab):
     (ds4_tokenize_text, ds4_tokenize_rendered_chat, ds4_encode_chat_prompt, ds4_token_text) into
     data/oracle/ds4c_tokenizer.json."""
     import hashlib
-    from ds4ref.writer import synthetic_model_path
+    from ds4ref.dev.writer import synthetic_model_path
     rec = json.loads((oracle_dir / "ds4c_tokenizer.json").read_text())
     if request.param == "oracle":
         return Tokenizer(*oracle_vocab), rec
-    from ds4ref.writer import default_model_path
+    from ds4ref.bundled import default_model_path
     rec = rec[request.param]
     path = synthetic_model_path() if request.param == "bundled" else default_model_path()
     assert hashlib.sha256(path.read_bytes()).hexdigest() == rec["model_sha256"], f"{path} is not the model ds4.c ran"

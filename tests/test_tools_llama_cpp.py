@@ -1,4 +1,4 @@
-"""The engine benchmark's llama.cpp rows and interleaved rounds (chapter 09, `ds4ref.bench_engine`):
+"""The engine benchmark's llama.cpp rows and interleaved rounds (chapter 09, `ds4ref.dev.bench_engine`):
 a stand-in llama-bench, the GGUF copy on the oracle model, and the paired ratios. No timings."""
 import json
 from pathlib import Path
@@ -7,8 +7,13 @@ import gguf
 import numpy as np
 import pytest
 
-from ds4ref.bench_engine import (LLAMA_GATING_KEY, bench_llama_cpp, llama_model_path,
-                                 paired_ratios, summarize_rounds)
+from ds4ref.dev.bench_engine import (
+    LLAMA_GATING_KEY,
+    bench_llama_cpp,
+    llama_model_path,
+    paired_ratios,
+    summarize_rounds,
+)
 
 ORACLE = Path(__file__).resolve().parents[1] / "data" / "oracle" / "dev_seed1.gguf"
 
@@ -101,7 +106,7 @@ def test_main_interleaves_rounds_and_stores_the_ratios(tmp_path, monkeypatch):
     """`main --rounds 2 --ds4c --llama-cpp` on the oracle model standing in for the wide one (and
     stand-ins for both programs): every row runs once per round in the same order, each kept row
     carries its spread, and the results file holds the paired ratios."""
-    import ds4ref.bench_engine as be
+    import ds4ref.dev.bench_engine as be
     calls = []
     model = tmp_path / "wide.gguf"
     model.write_bytes(ORACLE.read_bytes())
@@ -149,7 +154,7 @@ def test_mtp_for_llama_writes_llamas_nextn_layout(tmp_path):
     (block_count 7, nextn_predict_layers 1, a 7th ratio / clamp entry), no trunk layer, the block's
     tensors under blk.6, eh_proj = e_proj and h_proj side by side, the HC head and head norm the
     block's, embedding and LM head the target's."""
-    from ds4ref.writer import synthetic_model_path, synthetic_mtp_path
+    from ds4ref.dev.writer import synthetic_model_path, synthetic_mtp_path
     tool = _tool("mtp_for_llama")
     dst = tool.write_mtp_for_llama(synthetic_model_path(), synthetic_mtp_path(), tmp_path / "m.gguf")
     r, main, mtp = (gguf.GGUFReader(str(p)) for p in (dst, synthetic_model_path(), synthetic_mtp_path()))

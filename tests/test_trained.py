@@ -26,7 +26,7 @@ def trained():
 
 
 def test_bundled_model_is_the_shipped_trained_pair(trained):
-    from ds4ref.writer import default_model_path, default_mtp_path
+    from ds4ref.bundled import default_model_path, default_mtp_path
     main, mtp = default_model_path(), default_mtp_path()
     assert main.name == "ds4ref-tiny-trained.gguf" and mtp.name == "ds4ref-tiny-trained-mtp.gguf"
     assert trained.cfg == ModelConfig.tiny() and trained.has_mtp

@@ -75,10 +75,10 @@ timeout 240 $PY -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/test
 tests_rc=${PIPESTATUS[0]}
 
 log "CUDA kernel benchmark"
-timeout 120 $PY -m ds4ref.bench_engine --cuda-kernels --out "$OUT/cuda_bench.json" 2>&1 | tee -a "$LOG"
+timeout 120 $PY -m ds4ref.dev.bench_engine --cuda-kernels --out "$OUT/cuda_bench.json" 2>&1 | tee -a "$LOG"
 
 log "engine benchmark, cupy and numba, the oracle model"
-timeout 150 $PY -m ds4ref.bench_engine --backends cupy,numba --models oracle --steps 8 \
+timeout 150 $PY -m ds4ref.dev.bench_engine --backends cupy,numba --models oracle --steps 8 \
     --out "$OUT/engine_bench_gpu.json" 2>&1 | tee -a "$LOG"
 
 log "done: tests rc=$tests_rc"

@@ -39,7 +39,7 @@ def best_time(fn, reps: int) -> float:
 
 def main(argv=None) -> int:
     from ds4ref import mtp
-    from ds4ref.bench import machine
+    from ds4ref.dev.bench import machine
     from ds4ref.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

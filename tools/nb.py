@@ -4,6 +4,8 @@
     python tools/nb.py build book/_drafts/03_matvec.py   # percent script -> book/03_matvec.ipynb, executed
     python tools/nb.py run book/03_matvec.ipynb          # re-execute in place, store outputs
     python tools/nb.py draft book/03_matvec.ipynb        # ipynb -> book/_drafts/03_matvec.py to edit
+    python tools/nb.py write book/_drafts/03_matvec.py   # percent script -> ipynb, NOT executed (no
+                                                         # outputs): tangle and test first, build after
 
 Chapters are executed with the current Python (the repo's venv), cwd = book/,
 so that stored outputs are exactly what nbval will see. Drafts are scratch
@@ -61,6 +63,16 @@ def build(src: Path) -> Path:
     return out
 
 
+def write(src: Path) -> Path:
+    """Draft -> ipynb without executing it (its outputs are dropped), then tangle."""
+    nb = jupytext.read(src)
+    stable_ids(nb)
+    out = BOOK / (src.stem + ".ipynb")
+    nbformat.write(nb, out)
+    tangle()
+    return out
+
+
 def run(path: Path) -> Path:
     nb = nbformat.read(path, as_version=4)
     stable_ids(nb)
@@ -79,6 +91,6 @@ def draft(path: Path) -> Path:
 
 if __name__ == "__main__":
     cmd, *paths = sys.argv[1:]
-    fn = {"build": build, "run": run, "draft": draft}[cmd]
+    fn = {"build": build, "run": run, "draft": draft, "write": write}[cmd]
     for p in paths:
         print(cmd, "->", fn(Path(p).resolve()).relative_to(ROOT))

@@ -7,6 +7,22 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.matvec import MatvecError
+from ds4ref.quant import IQ2_XXS, Q2_K
+
+# the expert types that the fused routed-expert kernels of numba, MLX and CuPy run (the
+# types of ds4.c's q2 files); others (a q4 file's Q4_K) go to numpy's per-type reference
+FUSED_EXPERT_TYPES = {"routed_experts_mid": (IQ2_XXS,), "routed_experts_down": (Q2_K,)}
+FUSED_EXPERT_CASES = {"routed_experts_mid": "gate/up experts other than IQ2_XXS",
+                      "routed_experts_down": "down experts other than Q2_K"}
+
+
+def unfused_experts(be, op: str, w3):
+    """None when be's fused kernel for op runs w3's type; else numpy's reference of op
+    over be's own row matvecs (UnimplementedOpError in strict mode).
+    Mirrors ds4.c: routed_expert_block_bytes (l. 2302) (the types ds4.c accepts)"""
+    if int(w3.ggml_type) in FUSED_EXPERT_TYPES[op]:
+        return None
+    return be.reference(op, FUSED_EXPERT_CASES[op])
 
 
 def row_mask(n_rows: int, allowed=None, n_raw=None) -> np.ndarray:

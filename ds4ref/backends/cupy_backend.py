@@ -9,7 +9,14 @@ from importlib import resources
 import numpy as np
 
 from ds4ref.backend import NumpyBackend
-from ds4ref.backends.common import check_attention_args, expert_ids, row_mask
+from ds4ref.backends.common import (
+    FUSED_EXPERT_CASES,
+    FUSED_EXPERT_TYPES,
+    check_attention_args,
+    expert_ids,
+    row_mask,
+    unfused_experts,
+)
 from ds4ref.weights import f32_of
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid
@@ -91,7 +98,9 @@ class CupyBackend(NumpyBackend):
         }
     )
     # not matvec_q4_K_q8_K: the model runs no Q4_K weight yet
-    partial = {"attention_rows": "a batch of tokens (q [T, n_head, D])"}
+    partial = {"attention_rows": "a batch of tokens (q [T, n_head, D])",
+               **FUSED_EXPERT_CASES}
+    expert_types = FUSED_EXPERT_TYPES
 
     def __init__(self, device: int = 0):
         import cupy as cp
@@ -384,6 +393,9 @@ class CupyBackend(NumpyBackend):
         """mid [k, n_ff] of the selected experts: one pair launch, then clamp, SiLU and
         the route weight on the host.
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
+        ref = unfused_experts(self, "routed_experts_mid", w_gate3)
+        if ref is not None:
+            return ref(w_gate3, w_up3, ids, weights, a, clamp)
         from ds4ref.moe import swiglu
         weights = np.asarray(weights, np.float32).reshape(-1)
         if weights.size != np.asarray(ids).size:
@@ -398,6 +410,9 @@ class CupyBackend(NumpyBackend):
         """Sum over slots (float32, slot order) of the six down projections from one
         launch; float32 [rows].
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
+        ref = unfused_experts(self, "routed_experts_down", w_down3)
+        if ref is not None:
+            return ref(w_down3, ids, a)
         down = self.experts_down_q8_K(w_down3, ids, a)
         acc = down[0].copy()
         for s in range(1, len(down)):

@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backend import NumpyBackend
-from ds4ref.backends.common import check_attention_args, expert_ids, row_mask
+from ds4ref.backends.common import (
+    FUSED_EXPERT_CASES,
+    FUSED_EXPERT_TYPES,
+    check_attention_args,
+    expert_ids,
+    row_mask,
+    unfused_experts,
+)
 from ds4ref.weights import f32_of
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid, ksigns_iq2xs
@@ -38,7 +45,9 @@ class MlxBackend(NumpyBackend):
         }
     )
     # not matvec_q4_K_q8_K: the model runs no Q4_K weight yet
-    partial = {"attention_rows": "a batch of tokens (q [T, n_head, D])"}
+    partial = {"attention_rows": "a batch of tokens (q [T, n_head, D])",
+               **FUSED_EXPERT_CASES}
+    expert_types = FUSED_EXPERT_TYPES
 
     def __init__(self, device: str | None = None):
         import mlx.core as mx
@@ -248,6 +257,9 @@ class MlxBackend(NumpyBackend):
         """mid [k, n_ff] = silu(min(g, c)) * clamp(u, +-c) * weights of the selected
         experts, one MLX graph.
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
+        ref = unfused_experts(self, "routed_experts_mid", w_gate3)
+        if ref is not None:
+            return ref(w_gate3, w_up3, ids, weights, a, clamp)
         mx = self.mx
         g_blocks, u_blocks = (
             self._experts(w_gate3, ids, 16, 66),
@@ -270,6 +282,9 @@ class MlxBackend(NumpyBackend):
         """Sum over slots, in slot order, of Q2_K expert ids[s] times Q8_K activation
         row s; float32 [rows].
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
+        ref = unfused_experts(self, "routed_experts_down", w_down3)
+        if ref is not None:
+            return ref(w_down3, ids, a)
         # [k, rows, nb, 84]
         blocks = self._experts(w_down3, ids, 10, 84)
         k, rows, nb = blocks.shape[:3]

@@ -652,6 +652,8 @@ class MlxEngine(Engine):
     def open(cls, path=None, device: str = "cpu", ctx_size: int = 1024, **kw):
         from ds4ref.backends.mlx_backend import MlxBackend
         eng = Engine.open(path, backend=MlxBackend(device=device), **kw)
+        # the resident forward has MlxBackend's kernels only: refuse other types now
+        eng.backend.strict().check_weights(eng.weights)
         eng.__class__ = cls
         eng.forward = MlxForward(eng.cfg, eng.weights, ctx_size, device)
         return eng

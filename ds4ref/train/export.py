@@ -10,9 +10,10 @@ import numpy as np
 from ds4ref.gguf import GGMLType as T
 from ds4ref.gguf import GGUFValueType as V
 from ds4ref.mtp import mtp_tensor_specs
-from ds4ref.quant import dequantize, quantize
+from ds4ref.quant import dequantize
+from ds4ref.dev.quantize import quantize
 from ds4ref.weights import tensor_specs
-from ds4ref.writer import TensorData, model_metadata, write_gguf
+from ds4ref.dev.writer import TensorData, model_metadata, write_gguf
 
 # routed experts' (gate/up, down) types: ds4's q2 release mix, and two others
 EXPERT_MIXES = {

@@ -5,7 +5,7 @@ For each variant the script builds ds4.c (tools/ds4c/build.sh: the tiny shape, t
 replays the cases on both of ds4.c's paths through its public API (ds4c_run), and stores, per golden
 row, the agreement (corr, mean |d|, max |d|) with the golden logits, plus the experts that build chose in
 the top-k layers. Cases: A and C of the shared oracle (data/oracle/golden_{A,C}.npz on dev_seed1.gguf),
-and "bundled": ds4ref's own bundled model (ds4ref.writer, seed 7) with goldens that record.py made with
+and "bundled": ds4ref's own bundled model (ds4ref.dev.writer, seed 7) with goldens that record.py made with
 ds4.c's Makefile flags (data/oracle/ds4c_bundled.npz). The first variant is those Makefile flags: it
 must reproduce the golden files bit for bit, which checks the harness.
 
@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ds4c_io import PATHS, golden_rows, read_expert_log, run  # noqa: E402
 
-from ds4ref.engine import logit_agreement  # noqa: E402
+from ds4ref.dev.oracle import logit_agreement  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE = ROOT / "data" / "oracle"
@@ -44,7 +44,7 @@ VARIANTS = {   # name -> compiler flags; "golden" is ds4.c's Makefile (CPU objec
 
 
 # name -> (golden file, model): the model is a path relative to the repository, or "bundled" for the model
-# ds4ref.writer.synthetic_model_path() writes. Add a case with --case NAME=GOLDEN.npz:MODEL.gguf (both inside
+# ds4ref.dev.writer.synthetic_model_path() writes. Add a case with --case NAME=GOLDEN.npz:MODEL.gguf (both inside
 # the repository, e.g. under data/oracle/): the golden file needs the arrays of data/oracle/README.md's
 # table (prompt_ids, prompt_logits, step_logits, greedy_tokens, stream_*, trace_*_expert_ids/_margin).
 CASES = {"A": ("data/oracle/golden_A.npz", "data/oracle/dev_seed1.gguf"),
@@ -53,7 +53,7 @@ CASES = {"A": ("data/oracle/golden_A.npz", "data/oracle/dev_seed1.gguf"),
 
 
 def model_path(model: str) -> Path:
-    from ds4ref.writer import synthetic_model_path
+    from ds4ref.dev.writer import synthetic_model_path
     return synthetic_model_path() if model == "bundled" else ROOT / model
 
 

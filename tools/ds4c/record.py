@@ -8,7 +8,7 @@ Runs the golden build (ds4.c's Makefile flags, tools/ds4c/build.sh) through ds4c
 - `ds4_session_sample` after syncing case C's and case A's prompts (so the logits are exactly the golden
   `prompt_logits`), over a grid of temperature / top-k / top-p / min-p and seeds: every draw and the
   generator state after the last one;
-- a third end-to-end case, "bundled": ds4ref's own bundled model (`ds4ref.writer`, seed 7, so ds4.c also
+- a third end-to-end case, "bundled": ds4ref's own bundled model (`ds4ref.dev.writer`, seed 7, so ds4.c also
   checks that the writer's GGUF loads), a 160-token prompt and 16 greedy steps on both paths, in the layout
   of the shared golden files (logits, greedy tokens, expert ids and margins of the top-k layers).
 
@@ -133,7 +133,8 @@ def record_bundled(build: Path, work: Path, trained: bool = False) -> None:
     (data/oracle/README.md), from ds4.c's Makefile build."""
     from ds4ref.config import ModelConfig
     from ds4ref.gguf import GGUFFile
-    from ds4ref.writer import default_model_path, synthetic_model_path
+    from ds4ref.bundled import default_model_path
+    from ds4ref.dev.writer import synthetic_model_path
     model = default_model_path() if trained else synthetic_model_path()
     with GGUFFile(model) as g:
         cfg = ModelConfig.from_gguf(g)
@@ -225,7 +226,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             t = Path(tmp)
             write_tokenizer_inputs(t)
-            from ds4ref.writer import default_model_path
+            from ds4ref.bundled import default_model_path
             path = ORACLE / "ds4c_tokenizer.json"
             tok = json.loads(path.read_text())
             tok["trained"] = record_tokenizer(build, t, default_model_path())
@@ -241,7 +242,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         write_tokenizer_inputs(t)
-        from ds4ref.writer import synthetic_model_path
+        from ds4ref.dev.writer import synthetic_model_path
         tok = record_tokenizer(build, t, MODEL)                      # the oracle's vocab (761 merges)
         tok["bundled"] = record_tokenizer(build, t, synthetic_model_path())   # the writer's trained vocab
         (ORACLE / "ds4c_tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False, indent=0) + "\n")

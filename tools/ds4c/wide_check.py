@@ -22,8 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ds4c_io import run  # noqa: E402
 
-from ds4ref.bench_engine import wide_model_path  # noqa: E402
-from ds4ref.engine import Engine, logit_agreement, replay_golden  # noqa: E402
+from ds4ref.dev.bench_engine import wide_model_path  # noqa: E402
+from ds4ref.engine import Engine  # noqa: E402
+from ds4ref.dev.oracle import logit_agreement, replay_golden
 
 ROOT = Path(__file__).resolve().parents[2]
 N_PROMPT, N_STEPS = 32, 8

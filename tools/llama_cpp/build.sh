@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-bench from a pinned source, for the engine benchmark's
-# `--llama-cpp DIR` rows (python -m ds4ref.bench engine --llama-cpp DIR).
+# `--llama-cpp DIR` rows (python -m ds4ref.dev.bench engine --llama-cpp DIR).
 #
 #   tools/llama_cpp/build.sh OUTDIR            # -> OUTDIR/bin/llama-bench
 #

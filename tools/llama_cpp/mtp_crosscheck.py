@@ -92,7 +92,11 @@ def run_llama(exe, model, toks, pos, h_in, n_vocab, dump=None):
 def main(outdir, dst="data/llama_cpp/mtp_tiny_seed7.npz"):
     from ds4ref.checks import rel
     from ds4ref.engine import Engine
-    from ds4ref.writer import WRITER_VERSION, synthetic_model_path, synthetic_mtp_path
+    from ds4ref.dev.writer import (
+        WRITER_VERSION,
+        synthetic_model_path,
+        synthetic_mtp_path,
+    )
     eng = Engine.open(synthetic_model_path(), backend="numpy",
                       mtp_path=synthetic_mtp_path())
     exe = Path(outdir) / "bin" / "llama-mtp-logits"
