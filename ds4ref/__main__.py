@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     """Parse flags, encode the prompt, prefill, then sample/print/eval token by
     token."""
     args = build_parser().parse_args(argv)
-    from ds4ref.engine import Engine, SessionError
+    from ds4ref.engine import Engine
+    from ds4ref.session import SessionError
     from ds4ref.sample import SampleRNG, SamplingError, _check_params
 
     if args.summary:

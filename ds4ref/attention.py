@@ -10,7 +10,7 @@ from ds4ref.norms import head_rms_norm, rms_norm_weight
 from ds4ref.ops import NEG_INF, attention_rows, attention_scores  # noqa: F401
 
 
-def layer_q_projection(a, layer, cfg, be=NUMPY):
+def layer_q_projection(cfg, layer, a, be=NUMPY):
     """Low-rank Q from the attn-normed a [..., n_embd]: q [..., n_head, head_dim]
     (per-head normed, before RoPE) and qr_norm [..., n_lora_q] (for the indexer). Each
     Q8_0 matvec quantizes its input to int8 first.
@@ -23,7 +23,7 @@ def layer_q_projection(a, layer, cfg, be=NUMPY):
     return head_rms_norm(q, cfg.rms_eps), qr_norm
 
 
-def layer_kv_projection(a, layer, cfg, be=NUMPY) -> np.ndarray:
+def layer_kv_projection(cfg, layer, a, be=NUMPY) -> np.ndarray:
     """The token's single KV row from a [..., n_embd]: rms_norm_weight(attn_kv @
     Q8_0(a), attn_kv_a_norm), [..., head_dim], before RoPE and the FP8 rounding.
 

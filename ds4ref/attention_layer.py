@@ -17,7 +17,7 @@ from ds4ref.compressor import CompressorLane, compressor_decode_one
 from ds4ref.hc import hc_post, hc_pre
 from ds4ref.indexer import IndexerError, indexer_allowed
 from ds4ref.norms import rms_norm_weight
-from ds4ref.quant import fp8_kv_quantize_row
+from ds4ref.kvquant import fp8_kv_quantize_row
 from ds4ref.rope import rope_tail
 from ds4ref.trace import NO_TRACE, token_trace
 
@@ -122,8 +122,8 @@ def layer_attention_one(
     X = np.asarray(X, np.float32)
     x, post, comb = hc_pre(X, lw.hc_attn_fn, lw.hc_attn_scale, lw.hc_attn_base, cfg, be)
     a = rms_norm_weight(x, lw.attn_norm, cfg.rms_eps)
-    q, qr_norm = layer_q_projection(a, lw, cfg, be)
-    kv = layer_kv_projection(a, lw, cfg, be)
+    q, qr_norm = layer_q_projection(cfg, lw, a, be)
+    kv = layer_kv_projection(cfg, lw, a, be)
     for n, v in (
         ("attn_x", x),
         ("attn_post", post),
@@ -175,8 +175,8 @@ def layer_attention_batch(
     x, post, comb = (np.stack(v) for v in zip(*pre))
     # [T, n_embd]
     a = rms_norm_weight(x, lw.attn_norm, cfg.rms_eps)
-    q, qr_norm = layer_q_projection(a, lw, cfg, be)  # [T, n_head, hd], [T, n_lora_q]
-    kv = layer_kv_projection(a, lw, cfg, be)         # [T, hd]
+    q, qr_norm = layer_q_projection(cfg, lw, a, be)  # [T, n_head, hd], [T, n_lora_q]
+    kv = layer_kv_projection(cfg, lw, a, be)         # [T, hd]
     heads = np.empty_like(q)
     for t in range(T):
         tr = token_trace(trace, pos0 + t)

@@ -11,7 +11,7 @@ import numpy as np
 from ds4ref.backend import NUMPY
 from ds4ref.gguf import DS4RefError
 from ds4ref.ops import NEG_INF
-from ds4ref.quant import fp8_kv_quantize_row, indexer_qat_row
+from ds4ref.kvquant import fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.rope import rope_tail
 from ds4ref.trace import NO_TRACE
 from ds4ref.weights import f32_of

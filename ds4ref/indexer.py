@@ -8,7 +8,7 @@ import numpy as np
 
 from ds4ref.backend import NUMPY
 from ds4ref.gguf import DS4RefError
-from ds4ref.quant import indexer_qat_row
+from ds4ref.kvquant import indexer_qat_row
 from ds4ref.rope import rope_tail
 from ds4ref.trace import NO_TRACE
 

@@ -53,7 +53,7 @@ def _trace_quant(trace, name, act):
         trace(f"{name}.{field}", getattr(act, field))
 
 
-def shared_ffn_one(lw, f, cfg, be=NUMPY, trace=NO_TRACE):
+def shared_ffn_one(cfg, lw, f, be=NUMPY, trace=NO_TRACE):
     """The shared expert on the normed FFN input f [..., n_embd] -> [..., n_embd] (Q8_0
     SwiGLU MLP, clamp 10).
 
@@ -282,7 +282,7 @@ def layer_ffn_one(
     f = rms_norm_weight(x, lw.ffn_norm.numpy(), cfg.rms_eps)
     trace("ffn_norm", f)
     moe = routed_moe_one(cfg, lw, f, token, be, trace, force_experts)
-    shared = shared_ffn_one(lw, f, cfg, be, trace)
+    shared = shared_ffn_one(cfg, lw, f, be, trace)
     y = (moe + shared).astype(np.float32)
     if steer is not None:  # ds4.c l. 5729 / 5821: directional steering
         y = steer(y)
@@ -370,7 +370,7 @@ def layer_ffn_batch(
     f = rms_norm_weight(x, lw.ffn_norm.numpy(), cfg.rms_eps)
     trace("ffn_norm", f)
     moe = routed_moe_batch(cfg, lw, f, tokens, be, trace, force_experts)
-    shared = shared_ffn_one(lw, f, cfg, be, trace)
+    shared = shared_ffn_one(cfg, lw, f, be, trace)
     y = (moe + shared).astype(np.float32)
     if steer is not None:  # ds4.c l. 5883 / 6047: directional steering
         y = steer(y)

@@ -225,7 +225,7 @@ def _top2_margin(logits: np.ndarray) -> float:
 
 
 def _check_speculative(s, first_token, max_tokens, eos_token) -> None:
-    from ds4ref.engine import ContextOverflowError, SessionError, TokenRangeError
+    from ds4ref.session import ContextOverflowError, SessionError, TokenRangeError
     if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 1:
         raise SessionError(f"max_tokens: expected an integer >= 1, got {max_tokens!r}")
     for name, t in (("first_token", first_token), ("eos_token", eos_token)):

@@ -43,7 +43,7 @@ def test_layer_q_projection_matches_ds4c_oracle(ops_A, model, positions):
     cfg, W = model
     worst = 0.0
     for l, p, k in cases(cfg, positions):
-        q, qr_norm = layer_q_projection(ops_A[k + "attn_norm"], W.layers[l], cfg)
+        q, qr_norm = layer_q_projection(cfg, W.layers[l], ops_A[k + "attn_norm"])
         assert q.shape == (cfg.n_head, cfg.head_dim) and qr_norm.shape == (cfg.n_lora_q,)
         worst = max(worst, rel(q, ops_A[k + "q_normed"]), rel(qr_norm, ops_A[k + "qr_norm"]))
     assert worst <= 1e-6, worst
@@ -51,7 +51,7 @@ def test_layer_q_projection_matches_ds4c_oracle(ops_A, model, positions):
 
 def test_layer_kv_projection_matches_ds4c_oracle(ops_A, model, positions):
     cfg, W = model
-    worst = max(rel(layer_kv_projection(ops_A[k + "attn_norm"], W.layers[l], cfg), ops_A[k + "kv_normed"])
+    worst = max(rel(layer_kv_projection(cfg, W.layers[l], ops_A[k + "attn_norm"]), ops_A[k + "kv_normed"])
                 for l, p, k in cases(cfg, positions))
     assert worst <= 1e-6, worst
 
@@ -59,12 +59,12 @@ def test_layer_kv_projection_matches_ds4c_oracle(ops_A, model, positions):
 def test_q_projection_batched_equals_per_token(ops_A, model, positions):
     cfg, W = model
     A = np.stack([ops_A[f"L4.P{p}.attn_norm"] for p in positions])
-    qb, qrb = layer_q_projection(A, W.layers[4], cfg)
-    kvb = layer_kv_projection(A, W.layers[4], cfg)
+    qb, qrb = layer_q_projection(cfg, W.layers[4], A)
+    kvb = layer_kv_projection(cfg, W.layers[4], A)
     for i in range(len(positions)):
-        q, qr = layer_q_projection(A[i], W.layers[4], cfg)
+        q, qr = layer_q_projection(cfg, W.layers[4], A[i])
         assert rel(qb[i], q) <= 1e-6 and rel(qrb[i], qr) <= 1e-6
-        assert rel(kvb[i], layer_kv_projection(A[i], W.layers[4], cfg)) <= 1e-6
+        assert rel(kvb[i], layer_kv_projection(cfg, W.layers[4], A[i])) <= 1e-6
 
 
 # ---------------------------------------------------------------- RoPE

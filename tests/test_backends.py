@@ -261,7 +261,7 @@ def test_numba_fused_expert_kernels_give_the_same_bits_on_either_path(model, ops
     same bits on ds4's recorded activations, and a -128 code (which the byte path cannot negate) is routed to the
     portable mid kernel. On a CPU without AVX2 both paths are the portable kernels and this compares them."""
     import ds4ref.backends.numba_backend as nbm
-    from ds4ref.backends.numba_kernels import IQ2_XXS_SIMD, Q2_K_SIMD
+    from ds4ref.backends.numba_simd import IQ2_XXS_SIMD, Q2_K_SIMD
     assert (nbm.EXPERTS_MID_SIMD is None) == (IQ2_XXS_SIMD is None)          # chapter 03's choice decides
     assert (nbm.EXPERTS_DOWN_SIMD is None) == (Q2_K_SIMD is None)
     nb = get_backend("numba", strict=True)

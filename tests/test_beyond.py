@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds4ref.config import ModelConfig
-from ds4ref.engine import Engine, SessionError, TokenRangeError
+from ds4ref.engine import Engine
+from ds4ref.session import SessionError, TokenRangeError
 
 STEER = "ds4c_steering.npz"
 
@@ -508,7 +509,8 @@ def test_mtp_stages_against_llama_cpp():
     from ds4ref.hc import hc_pre
     from ds4ref.moe import layer_ffn_one
     from ds4ref.mtp import mtp_input_hc, mtp_output_logits
-    from ds4ref.quant import f16_round, fp8_kv_quantize_row
+    from ds4ref.quant import f16_round
+    from ds4ref.kvquant import fp8_kv_quantize_row
     rec = _llama_mtp()
     eng = _synthetic_engine()
     cfg, w, m = eng.cfg, eng.weights, eng.mtp

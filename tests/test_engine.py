@@ -25,14 +25,14 @@ from ds4ref.dev.oracle import (
     replay_golden,
     shadow_decisions,
 )
-from ds4ref.engine import (
+from ds4ref.session import (
     ContextOverflowError,
     EmptyPromptError,
-    Engine,
     NoLogitsError,
     SessionError,
     TokenRangeError,
 )
+from ds4ref.engine import Engine
 from ds4ref.sample import SampleRNG, SamplingError
 from ds4ref.trace import Trace
 

@@ -77,7 +77,7 @@ def test_errors_keep_their_builtin_base():
     import ds4ref.backends
     import ds4ref.engine
     from ds4ref.backend import BackendError
-    from ds4ref.engine import ContextOverflowError, SessionError
+    from ds4ref.session import ContextOverflowError, SessionError
     from ds4ref.gguf import GGUFError
     from ds4ref.dev.writer import SparseFileError
     for cls in (GGUFError, SessionError, ContextOverflowError, BackendError):

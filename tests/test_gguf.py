@@ -32,11 +32,10 @@ from ds4ref.dev.writer import (
     synthetic_model_path,
     model_metadata,
     model_tensors,
-    train_bpe,
-    CORPUS,
     write_gguf,
     write_model,
 )
+from ds4ref.dev.bpe import train_bpe, CORPUS
 from ds4ref.bundled import default_model_path
 
 DEFAULT_MODEL_SHA256 = "b83839d07adb619596e1f57cdbb9925eddad4eb2d8bf2e92ad67c4535dffa36d"

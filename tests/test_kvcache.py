@@ -12,7 +12,8 @@ from ds4ref.config import ModelConfig
 from ds4ref.indexer import (IndexerError, indexer_allowed, indexer_query, indexer_scores, indexer_topk,
                             indexer_weights)
 from ds4ref.kvcache import KVCache, KVCacheError, LayerCache, kv_cache_bytes
-from ds4ref.quant import f16_round, fp8_kv_quantize_row, indexer_qat_row
+from ds4ref.quant import f16_round
+from ds4ref.kvquant import fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.rope import rope_tail
 
 from _helpers import rel

@@ -7,12 +7,13 @@ import pytest
 from llvmlite import binding as llvm
 
 import ds4ref.backends.numba_kernels as nk
+import ds4ref.backends.numba_simd as ns
 from ds4ref.backend import NUMPY
 from ds4ref.backends import get_backend
 from ds4ref.matvec import weight_rows
 from ds4ref.quant import Q2_K, Q8KAct, quantize_q8_K
 
-KERNELS = nk.simd_kernels(nk.Q2_K_BYTE_DOT)
+KERNELS = ns.simd_kernels(ns.Q2_K_BYTE_DOT)
 NUMBA = get_backend("numba", strict=True)
 
 
@@ -41,9 +42,9 @@ def q2_K_rows(rng, rows: int, n: int, saturate: bool = False) -> np.ndarray:
 def test_simd_kernels_follow_the_host_features():
     f = llvm.get_host_cpu_features()
     if nk.config.CPU_NAME in (None, "host"):
-        assert (nk.q2_K_avx512_kernel in KERNELS) == bool(f.get("avx512bw", False))
-        assert (nk.q2_K_avx2_kernel in KERNELS) == bool(f.get("avx2", False))
-    assert nk.Q2_K_SIMD is (KERNELS[0] if KERNELS else None)
+        assert (ns.q2_K_avx512_kernel in KERNELS) == bool(f.get("avx512bw", False))
+        assert (ns.q2_K_avx2_kernel in KERNELS) == bool(f.get("avx2", False))
+    assert ns.Q2_K_SIMD is (KERNELS[0] if KERNELS else None)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
@@ -83,13 +84,13 @@ def test_backend_uses_either_path_with_the_same_bits(monkeypatch):
 
 def test_no_simd_kernels_for_a_generic_target(monkeypatch):
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    assert nk.host_simd() == frozenset() and nk.simd_kernels(nk.Q2_K_BYTE_DOT) == []
+    assert ns.host_simd() == frozenset() and ns.simd_kernels(ns.Q2_K_BYTE_DOT) == []
 
 
 # IQ2_XXS: the byte-dot pair kernel against the portable iq2_xxs_pair_kernel
 from ds4ref.quant import IQ2_XXS  # noqa: E402
 
-IQ2_KERNELS = nk.simd_kernels(nk.IQ2_XXS_BYTE_DOT)
+IQ2_KERNELS = ns.simd_kernels(ns.IQ2_XXS_BYTE_DOT)
 
 
 def iq2_pair(kernel, signs, wg, wu, a: Q8KAct):
@@ -106,8 +107,8 @@ def iq2_xxs_rows(rng, rows: int, n: int) -> np.ndarray:
 
 
 def test_sign_masks_are_the_sign_table():
-    assert nk.IQ2XXS_SIGN_MASKS.shape == (1024,) and nk.IQ2XXS_SIGN_MASKS.dtype == np.uint8
-    assert np.array_equal(nk.IQ2XXS_SIGN_MASKS.view(np.int8), np.where(nk.IQ2XXS_SIGNS < 0, -1, 0))
+    assert ns.IQ2XXS_SIGN_MASKS.shape == (1024,) and ns.IQ2XXS_SIGN_MASKS.dtype == np.uint8
+    assert np.array_equal(ns.IQ2XXS_SIGN_MASKS.view(np.int8), np.where(nk.IQ2XXS_SIGNS < 0, -1, 0))
     assert set(np.unique(nk.IQ2XXS_GRID)) == {8, 25, 43}         # vpmaddubsw pairs <= 2 * 43 * 127
 
 
@@ -133,7 +134,7 @@ def test_iq2_simd_equals_plain_kernel_on_ds4_experts(kernel, model, ops_A):
         e = int(ops_A[f"L{il}.P{p}.exp_ids"][0])
         wg = np.ascontiguousarray(weight_rows(lw.ffn_gate_exps.expert(e), IQ2_XXS))
         wu = np.ascontiguousarray(weight_rows(lw.ffn_up_exps.expert(e), IQ2_XXS))
-        got, want = iq2_pair(kernel, nk.IQ2XXS_SIGN_MASKS, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, nk.IQ2XXS_SIGNS, wg, wu, a)
+        got, want = iq2_pair(kernel, ns.IQ2XXS_SIGN_MASKS, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, nk.IQ2XXS_SIGNS, wg, wu, a)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), il
 
 
@@ -148,7 +149,7 @@ def test_iq2_simd_equals_plain_kernel_on_extreme_blocks(kernel):
                   rng.integers(-127, 128, (3, 2048), dtype=np.int8)).astype(np.int8)
     a = Q8KAct(qs, rng.uniform(0.001, 1, (3, 8)).astype(np.float32),
                qs.reshape(3, -1, 16).astype(np.int32).sum(-1).astype(np.int16))
-    got, want = iq2_pair(kernel, nk.IQ2XXS_SIGN_MASKS, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, nk.IQ2XXS_SIGNS, wg, wu, a)
+    got, want = iq2_pair(kernel, ns.IQ2XXS_SIGN_MASKS, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, nk.IQ2XXS_SIGNS, wg, wu, a)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
@@ -172,7 +173,7 @@ def test_iq2_backend_uses_either_path_with_the_same_bits(monkeypatch):
 def test_iq2_simd_follows_the_host_features(monkeypatch):
     f = llvm.get_host_cpu_features()
     if nk.config.CPU_NAME in (None, "host"):
-        assert (nk.iq2_xxs_pair_avx2_kernel in IQ2_KERNELS) == bool(f.get("avx2", False))
-    assert nk.IQ2_XXS_SIMD is (IQ2_KERNELS[0] if IQ2_KERNELS else None)
+        assert (ns.iq2_xxs_pair_avx2_kernel in IQ2_KERNELS) == bool(f.get("avx2", False))
+    assert ns.IQ2_XXS_SIMD is (IQ2_KERNELS[0] if IQ2_KERNELS else None)
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    assert nk.simd_kernels(nk.IQ2_XXS_BYTE_DOT) == []
+    assert ns.simd_kernels(ns.IQ2_XXS_BYTE_DOT) == []

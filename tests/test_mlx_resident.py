@@ -15,7 +15,8 @@ from ds4ref.backends.mlx_resident import (  # noqa: E402
     MlxForward,
     TransferCounter,
 )
-from ds4ref.engine import Engine, SessionError  # noqa: E402
+from ds4ref.engine import Engine  # noqa: E402
+from ds4ref.session import SessionError
 from ds4ref.kvcache import KVCache  # noqa: E402
 from ds4ref.model import forward_token  # noqa: E402
 from ds4ref.trace import Trace  # noqa: E402

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 import ds4ref.dev.quantize as WQ  # the weight quantizers (appendix C)
+import ds4ref.kvquant as KQ  # the cache formats (chapter 2)
 import ds4ref.quant as Q
 from ds4ref.quant import QuantError
 
@@ -61,11 +62,11 @@ def test_iq2xxs_tables_equal_gguf_package_and_have_documented_structure():
 
 
 def test_e4m3_and_e2m1_tables():
-    v = Q.E4M3_VALUES
+    v = KQ.E4M3_VALUES
     assert v.size == 127 and v[-1] == 448 and v[1] == 2.0**-9 and (np.diff(v) > 0).all()
     # the notes' example (ds4-map.md §5 row 27): 0_1000_011 is 2.75, and 3.14159 rounds to 3.25
-    assert v[0b1000011] == 2.75 and Q.e4m3fn_round(np.float32(3.14159)) == 3.25
-    assert np.array_equal(Q.e2m1_round(np.float32([0.25, 0.75, 1.25, 2.5, 3.5, 5, 7, -0.25])),
+    assert v[0b1000011] == 2.75 and KQ.e4m3fn_round(np.float32(3.14159)) == 3.25
+    assert np.array_equal(KQ.e2m1_round(np.float32([0.25, 0.75, 1.25, 2.5, 3.5, 5, 7, -0.25])),
                           np.float32([0, 1, 1, 2, 4, 4, 6, -0.0]))
 
 
@@ -187,10 +188,10 @@ def test_kv_fp8_f16_and_indexer_fp4_are_bit_exact_on_ds4c_rows(ops_A):
         if name in ("kv_rope", "comp_rope"):
             out = "kv_fp8" if name == "kv_rope" else "comp_row"
             stored = "kv_stored" if name == "kv_rope" else "comp_stored"
-            assert np.array_equal(bits(Q.fp8_kv_quantize_row(ops_A[key], 64)), bits(ops_A[f"{pre}.{out}"])), key
+            assert np.array_equal(bits(KQ.fp8_kv_quantize_row(ops_A[key], 64)), bits(ops_A[f"{pre}.{out}"])), key
         elif name in ("icomp_rope", "idx_q_rope"):
             out, stored = ("icomp_row", "icomp_stored") if name == "icomp_rope" else ("idx_q", None)
-            assert np.array_equal(bits(Q.indexer_qat_row(ops_A[key])), bits(ops_A[f"{pre}.{out}"])), key
+            assert np.array_equal(bits(KQ.indexer_qat_row(ops_A[key])), bits(ops_A[f"{pre}.{out}"])), key
         else:
             continue
         if stored:
@@ -203,11 +204,11 @@ def test_hadamard128_is_the_natural_order_sylvester_matrix_and_orthonormal():
     sylvester = np.ones((1, 1))
     while sylvester.shape[0] < 128:                                # H_2n = [[H, H], [H, -H]]
         sylvester = np.block([[sylvester, sylvester], [sylvester, -sylvester]])
-    h = Q.hadamard128(np.eye(128, dtype=np.float32))               # row i = transform of e_i
+    h = KQ.hadamard128(np.eye(128, dtype=np.float32))               # row i = transform of e_i
     assert np.array_equal(np.sign(h), sylvester)
     assert np.allclose(h, sylvester / np.sqrt(128), rtol=1e-6, atol=0)
     x = np.random.default_rng(0).standard_normal((5, 128)).astype(np.float32)
-    assert np.allclose(Q.hadamard128(Q.hadamard128(x)), x, atol=1e-5)
+    assert np.allclose(KQ.hadamard128(KQ.hadamard128(x)), x, atol=1e-5)
     assert np.allclose(h @ h.T, np.eye(128), atol=1e-6)
 
 
@@ -310,8 +311,8 @@ def test_quant_error_is_a_value_error():
     (lambda: WQ.quantize(np.zeros((2, 256), np.float32), Q.Q8_K), "activation format"),
     (lambda: WQ.quantize(np.zeros((2, 256), np.float32), 99), "unknown or unsupported ggml type id 99"),
     (lambda: Q.quantize_q8_K(np.zeros(100, np.float32)), "length 100 is not a multiple of 256"),
-    (lambda: Q.fp8_kv_quantize_row(np.zeros(100, np.float32), 64), "multiple of 64"),
-    (lambda: Q.indexer_qat_row(np.zeros(64, np.float32)), "128 wide"),
+    (lambda: KQ.fp8_kv_quantize_row(np.zeros(100, np.float32), 64), "multiple of 64"),
+    (lambda: KQ.indexer_qat_row(np.zeros(64, np.float32)), "128 wide"),
     (lambda: Q.quantize_q8_0(np.float32(1)), "scalar"),
     (lambda: WQ.quantize(np.full((1, 32), 1e7, np.float32), Q.Q8_0), "block scale would overflow F16"),
     (lambda: WQ.quantize(np.full((1, 256), 1.1e7, np.float32), Q.IQ2_XXS), "block scale would overflow F16"),
@@ -324,8 +325,8 @@ def test_bad_shapes_and_types_raise_quant_error(call, match):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("fn", [Q.quantize_q8_0, Q.quantize_q8_K, lambda x: WQ.quantize(x, Q.IQ2_XXS),
-                                lambda x: WQ.quantize(x, Q.Q8_0), lambda x: Q.fp8_kv_quantize_row(x, 64),
-                                lambda x: Q.fp4_act_quantize(x)])
+                                lambda x: WQ.quantize(x, Q.Q8_0), lambda x: KQ.fp8_kv_quantize_row(x, 64),
+                                lambda x: KQ.fp4_act_quantize(x)])
 def test_non_finite_input_to_a_quantizer_raises(fn, bad):
     x = np.ones(256, np.float32)
     x[17] = bad
@@ -354,7 +355,7 @@ def test_f16_round_equals_ieee_round_to_nearest_even():
 
 def test_e4m3_and_e2m1_round_to_nearest_with_ties_to_even_code():
     rng = np.random.default_rng(12)
-    for table, fn, top in ((Q.E4M3_VALUES, Q.e4m3fn_round, 448), (Q.E2M1_VALUES, Q.e2m1_round, 6)):
+    for table, fn, top in ((KQ.E4M3_VALUES, KQ.e4m3fn_round, 448), (KQ.E2M1_VALUES, KQ.e2m1_round, 6)):
         mids = (table[1:].astype(np.float64) + table[:-1]) / 2
         x = np.concatenate([rng.uniform(-1.2 * top, 1.2 * top, 50_000), mids, -mids,
                             rng.uniform(0, table[3], 1000)]).astype(np.float32)

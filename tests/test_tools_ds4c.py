@@ -87,7 +87,7 @@ def test_bench_ds4c_runs_the_driver_warmed_and_reads_its_timings(tmp_path):
     """The engine benchmark's ds4.c rows: `bench_ds4c` calls ds4c_run's bench mode (here a stand-in script that
     records its arguments and environment) with the prompt, the step count, the thread count and DS4C_WARM, and
     turns the three timings it writes into a row like bench_backend's."""
-    from ds4ref.dev.bench_engine import bench_ds4c
+    from ds4ref.dev.bench_programs import bench_ds4c
     exe = tmp_path / "ds4c_run"
     exe.write_text("#!/bin/sh\n"
                    'echo "$1 $2 $4 $DS4C_THREADS $DS4C_WARM" > "$(dirname "$0")/args.txt"\n'

@@ -7,13 +7,12 @@ import gguf
 import numpy as np
 import pytest
 
-from ds4ref.dev.bench_engine import (
+from ds4ref.dev.bench_programs import (
     LLAMA_GATING_KEY,
     bench_llama_cpp,
     llama_model_path,
-    paired_ratios,
-    summarize_rounds,
 )
+from ds4ref.dev.bench_engine import paired_ratios, summarize_rounds
 
 ORACLE = Path(__file__).resolve().parents[1] / "data" / "oracle" / "dev_seed1.gguf"
 

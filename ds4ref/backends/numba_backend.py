@@ -20,15 +20,15 @@ from ds4ref.weights import f32_of
 from ds4ref.matvec import row_elements, weight_rows
 # chapter 03: the numba matvecs (the reference's signatures), and run_kernel, which
 # compiles with LLVM's SLP vectorizer on
-from ds4ref.backends.numba_kernels import (
+from ds4ref.backends.numba_matvec import (
     numba_matvec_f16,
     numba_matvec_iq2_xxs_pair_q8_K,
     numba_matvec_iq2_xxs_q8_K,
     numba_matvec_q2_K_q8_K,
     numba_matvec_q4_K_q8_K,
     numba_matvec_q8_0_prequant,
-    run_kernel,
 )
+from ds4ref.backends.numba_kernels import run_kernel
 # chapter 03's row kernels and tables (f16 bits -> float32; IQ2_XXS grid and signs,
 # flat), reused by the fused expert kernels below, so one row of an expert is computed
 # exactly as a plain matvec computes it
@@ -41,7 +41,7 @@ from ds4ref.backends.numba_kernels import (
 )
 # ... and its byte-dot rows and blocks (llvmlite intrinsics), chosen by chapter 03's one
 # CPU probe (simd_kernels over host_simd)
-from ds4ref.backends.numba_kernels import (
+from ds4ref.backends.numba_simd import (
     IQ2XXS_SIGN_MASKS,
     _iq2_xxs_pair_row_avx2,
     _q2_K_block_avx2,

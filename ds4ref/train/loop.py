@@ -19,7 +19,7 @@ from ds4ref.mtp import mtp_tensor_specs
 from ds4ref.tokenizer import Tokenizer
 from ds4ref.train.corpus import split_documents, stdlib_docstrings
 from ds4ref.train.model import DS4Torch, rope_tables
-from ds4ref.dev.writer import tokenizer_metadata
+from ds4ref.dev.bpe import tokenizer_metadata
 
 
 @dataclass(frozen=True)

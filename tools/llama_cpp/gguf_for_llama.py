@@ -7,14 +7,14 @@ llama.cpp 0c1e570 reads the router's gating function from `deepseek4.expert_gati
 (4 = sqrt(softplus), LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS); ds4.c fixes that function in code
 and its GGUFs do not carry the key. Everything else is copied unchanged, by gguf-py's own
 copy_with_new_metadata (the gguf package, pinned in requirements.txt), in
-`ds4ref.dev.bench_engine.write_llama_gguf` (the engine benchmark's `--llama-cpp` writes the same copy).
+`ds4ref.dev.bench_programs.write_llama_gguf` (the engine benchmark's `--llama-cpp` writes the same copy).
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from ds4ref.dev.bench_engine import (
+from ds4ref.dev.bench_programs import (
     LLAMA_GATING_KEY,
     LLAMA_SQRT_SOFTPLUS,
     write_llama_gguf,

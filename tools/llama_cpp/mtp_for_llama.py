@@ -32,7 +32,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ds4ref.dev.bench_engine import LLAMA_GATING_KEY, LLAMA_SQRT_SOFTPLUS
+from ds4ref.dev.bench_programs import LLAMA_GATING_KEY, LLAMA_SQRT_SOFTPLUS
 
 ARCH = "deepseek4"
 NEXTN_KEY = f"{ARCH}.nextn_predict_layers"
