@@ -544,7 +544,7 @@ def test_bad_input_raises_named_errors_and_session_stays_usable(engine):
 
 
 def test_failed_forward_invalidates_checkpoint(engine, monkeypatch):
-    import ds4ref.engine as E
+    import ds4ref.session as E
     s = engine.session(64)
     s.sync(PROMPT[:4])
 

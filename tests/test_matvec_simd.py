@@ -8,6 +8,7 @@ from llvmlite import binding as llvm
 
 import ds4ref.backends.numba_kernels as nk
 import ds4ref.backends.numba_simd as ns
+import ds4ref.backends.numba_matvec as nm
 from ds4ref.backend import NUMPY
 from ds4ref.backends import get_backend
 from ds4ref.matvec import weight_rows
@@ -78,7 +79,7 @@ def test_backend_uses_either_path_with_the_same_bits(monkeypatch):
     a = quantize_q8_K(rng.standard_normal((2, 1024)).astype(np.float32))
     want = NUMPY.matvec_q2_K_q8_K(raw, a)
     assert np.array_equal(NUMBA.matvec_q2_K_q8_K(raw, a), want)
-    monkeypatch.setattr(nk, "Q2_K_SIMD", None)
+    monkeypatch.setattr(nm, "Q2_K_SIMD", None)       # the wrapper reads its own binding
     assert np.array_equal(NUMBA.matvec_q2_K_q8_K(raw, a), want)
 
 
@@ -165,7 +166,7 @@ def test_iq2_backend_uses_either_path_with_the_same_bits(monkeypatch):
         want = NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
         got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    monkeypatch.setattr(nk, "IQ2_XXS_SIMD", None)
+    monkeypatch.setattr(nm, "IQ2_XXS_SIMD", None)
     got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
     assert np.array_equal(got[0], NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, a)[0])
 
