@@ -306,11 +306,13 @@ class CupyOps:
         return cp.where(x < 0, -v, v)
 
     def _pow2_scale(self, xb, floor: float, top: float):
-        """kvquant._pow2_block_scale: 2^ceil(log2(max(amax, floor) / top)) per block."""
+        """kvquant._pow2_block_scale: 2^ceil(log2(max(amax, floor) / top)) per block,
+        built from its exponent bits (exact, as np.ldexp; CuPy's ldexp of a numpy
+        scalar could pick a float16 loop)."""
         cp = self.cp
         amax = cp.maximum(cp.abs(xb).max(axis=-1), np.float32(floor))
-        e = cp.ceil(cp.log2(amax / np.float32(top)))
-        return cp.ldexp(np.float32(1), e.astype(cp.int32)).astype(cp.float32)
+        e = cp.ceil(cp.log2(amax / np.float32(top))).astype(cp.int32)
+        return ((e + 127) << 23).astype(cp.int32).view(cp.float32)
 
     def fp8_kv(self, row):
         """fp8_kv_quantize_row: E4M3 round trip of the non-RoPE dims in 64-blocks."""

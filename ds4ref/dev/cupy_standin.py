@@ -104,7 +104,7 @@ def _method(name: str):
 
 _OPS = ("add sub mul truediv floordiv mod pow matmul and or xor lshift rshift").split()
 for _name in (
-    "astype reshape copy view ravel sum max min argmax transpose".split()
+    "astype reshape copy view sum max argmax".split()
     + ["__neg__", "__abs__", "__invert__", "__pos__"]
     + [f"__{op}__" for op in _OPS + "lt le gt ge eq ne".split()]
     + [f"__r{op}__" for op in _OPS]
@@ -120,12 +120,11 @@ class StandinCupy(types.SimpleNamespace):
     calls; `launched` by kernel name). `counts()` gives the three as a tuple.
     Mirrors ds4.c: nothing (a test instrument for the device-resident contract)"""
 
-    FUNCS = ("abs exp log log1p log2 sqrt rint ceil floor isfinite maximum minimum "
-             "where clip concatenate stack repeat take take_along_axis searchsorted "
-             "matmul ldexp argsort argmax einsum broadcast_to zeros ones full arange "
-             "zeros_like full_like").split()
-    DTYPES = ("float16 float32 float64 int8 int16 int32 int64 uint8 uint16 uint32 "
-              "uint64 bool_").split()
+    # exactly what ds4ref's CuPy code calls (a name missing here fails loudly)
+    FUNCS = ("abs exp log1p log2 sqrt rint ceil isfinite maximum minimum where clip "
+             "concatenate stack repeat take take_along_axis searchsorted argsort "
+             "einsum zeros ones full arange").split()
+    DTYPES = "float16 float32 float64 int8 int16 int32 uint8".split()
 
     def __init__(self):
         super().__init__()
@@ -137,9 +136,7 @@ class StandinCupy(types.SimpleNamespace):
         for name in self.FUNCS:
             setattr(self, name, self._function(getattr(np, name)))
         self.cuda = types.SimpleNamespace(
-            Device=lambda device=0: types.SimpleNamespace(use=lambda: None),
-            Stream=types.SimpleNamespace(
-                null=types.SimpleNamespace(synchronize=lambda: None)))
+            Device=lambda device=0: types.SimpleNamespace(use=lambda: None))
         self.RawModule = lambda code, options=(): StandinModule(code, self)
 
     def counts(self) -> tuple[int, int, int]:
