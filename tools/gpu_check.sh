@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a session that is lent a CUDA machine (see DEVELOPERS.md, "the device").
-# Runs chapter 09's GPU tests (pytest -m gpu) and the CUDA benchmarks; everything it writes lands in $OUT
+# Runs chapter 09's GPU tests (pytest -m gpu: the op-by-op CupyBackend and the resident CupyEngine) and the CUDA benchmarks; everything it writes lands in $OUT
 # (default: ./gpu_out): gpu_check.log, gpu_tests.log, cuda_bench.json, engine_bench_gpu.json.
 # Budget: about 3-5 minutes on an H200 (the first NVRTC and numba compiles take most of it); the three steps
 # are capped at 240 + 120 + 150 s, so a run never outlasts a device call of timeout_s 540.
@@ -70,7 +70,7 @@ fi
 
 # -- 3. the GPU tests and the benchmarks ---------------------------------------------------------------------------
 log "GPU tests (pytest -m gpu)"
-timeout 240 $PY -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/test_backends.py -rA 2>&1 \
+timeout 240 $PY -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/test_backends.py tests/test_cupy_resident.py -rA 2>&1 \
     | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 

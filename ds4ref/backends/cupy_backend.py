@@ -102,8 +102,9 @@ class CupyBackend(NumpyBackend):
                **FUSED_EXPERT_CASES}
     expert_types = FUSED_EXPERT_TYPES
 
-    def __init__(self, device: int = 0):
-        import cupy as cp
+    def __init__(self, device: int = 0, cp=None):
+        if cp is None:  # a test may pass a stand-in module (ds4ref.dev.cupy_standin)
+            import cupy as cp
         self.cp = cp
         cp.cuda.Device(device).use()
         self.k = load_kernels(cp)
