@@ -51,21 +51,25 @@ from ds4ref.backends.numba_simd import (
 )
 from ds4ref.quant import quantize_q8_K
 
-def prefer_workqueue_threads() -> str:
-    """Pick numba's simple 'workqueue' threading layer unless NUMBA_THREADING_LAYER says
-    otherwise; returns the choice. On the 2-vCPU VMs this book is built on, the default
-    OpenMP layer took about 5 ms to wake its worker for each parallel region (a 2 MB
-    matvec: 5.4 ms with 2 threads against 0.12 ms with 1), and a decode step has dozens
-    of regions. Takes effect only before the first parallel kernel of the process runs.
-    Mirrors ds4.c: ds4_threads_init (l. 678), ds4.c's own fixed pthread pool"""
+def choose_threading_layer() -> str:
+    """numba's threading layer for this process: NUMBA_THREADING_LAYER if set, else
+    OpenMP where numba can load it, else workqueue; returns the choice. Takes effect
+    only before the first parallel kernel of the process runs (appendix E,
+    book/results/threading.json, has the two layers timed side by side).
+    Mirrors ds4.c: ds4_threads_init (l. 678), ds4.c's own spinning pthread pool"""
     import os
     from numba import config
-    if "NUMBA_THREADING_LAYER" not in os.environ:
+    if "NUMBA_THREADING_LAYER" in os.environ:
+        return config.THREADING_LAYER
+    try:
+        from numba.np.ufunc import omppool  # noqa: F401  (the OpenMP runtime loads)
+        config.THREADING_LAYER = "omp"
+    except ImportError:
         config.THREADING_LAYER = "workqueue"
     return config.THREADING_LAYER
 
 
-prefer_workqueue_threads()
+choose_threading_layer()
 
 # the scalar form of ds4ref.hc.sigmoid_stable, kept as a twin: a numba kernel calls only
 # jitted functions, and this branch form is the code whose numerics the tests pin

@@ -39,23 +39,13 @@ BLOCK = {k: (*GGML_BLOCK[GGMLType[k]], scales) for k, scales in
 
 
 def machine() -> dict:
-    """What the numbers were measured on. Mirrors ds4.c: nothing (benchmark harness)"""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """What the numbers were measured on: chapter 9's machine_description, plus numba's
+    thread count and the date. Mirrors ds4.c: nothing (benchmark harness)"""
+    from ds4ref.backends import machine_description
     return {
-        "cpu": cpu,
+        **machine_description(),
         "cores": os.cpu_count(),
         "numba_threads": numba.get_num_threads(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%d %H:%M UTC"
         ),

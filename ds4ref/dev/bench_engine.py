@@ -85,8 +85,8 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
     out["numpy_1_thread_best_gbps"] = max(runs)
     try:
         from numba import get_num_threads, njit, prange
-        from ds4ref.backends.numba_backend import prefer_workqueue_threads
-        prefer_workqueue_threads()  # before this process's first parallel kernel
+        from ds4ref.backends.numba_backend import choose_threading_layer
+        choose_threading_layer()  # before this process's first parallel kernel
 
         @njit(parallel=True, cache=True)
         def _sum(x):

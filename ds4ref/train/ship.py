@@ -120,20 +120,12 @@ def load_trained(path, cfg=None, seed: int = 0) -> DS4Torch:
 
 
 def machine() -> dict:
-    """The CPU, its core count and the library versions of a run."""
+    """The CPU, its core count and the library versions of a run (chapter 9's
+    machine_description, plus torch)."""
     import os
-    import platform
 
-    cpu = platform.processor() or "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(),
-                torch=torch.__version__, numpy=np.__version__)
+    from ds4ref.backends import machine_description
+    return {**machine_description(), "cores": os.cpu_count(), "torch": torch.__version__}
 
 
 def heldout_file_docs(tok, held_docs) -> list[str]:
