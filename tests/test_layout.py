@@ -162,3 +162,14 @@ def test_inference_never_imports_dev_tooling():
     assert not bad, sorted(bad)
     assert any(b.startswith("ds4ref.dev") for b in graph["ds4ref.dev.oracle"]) is False
     assert "ds4ref.engine" in graph["ds4ref.dev.oracle"]       # dev builds on the engine, not the reverse
+
+
+def test_benchmark_entry_points_resolve():
+    """`python -m ds4ref.dev.bench engine --help` reaches the engine benchmark's own parser (the
+    Makefile's `bench` target and the README run it): a moved module must not leave it dangling."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "ds4ref.dev.bench", "engine", "--help"],
+                       capture_output=True, text=True, cwd=PKG.parent)
+    assert r.returncode == 0, r.stderr
+    assert "--llama-cpp" in r.stdout and "--ds4c" in r.stdout

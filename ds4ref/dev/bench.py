@@ -241,7 +241,7 @@ def main(argv=None) -> int:
         "engine",
         add_help=False,
         help=(
-            "whole-engine benchmark (ds4ref.dev.bench_engine, chapter 09; its options "
+            "whole-engine benchmark (ds4ref.dev.bench_engine, appendix E; its options "
             "pass through)"
         ),
     )
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
         bench_matvec(**kw)
     if args.cmd in ("engine", "all"):
         try:
-            from ds4ref import bench_engine
+            from ds4ref.dev import bench_engine
         except ImportError as e:
             print(f"engine benchmark unavailable: {e}", file=sys.stderr)
             return 1
