@@ -224,25 +224,6 @@ def _top2_margin(logits: np.ndarray) -> float:
     return float(top[1] - top[0])
 
 
-def _check_speculative(s, first_token, max_tokens, eos_token) -> None:
-    from ds4ref.session import ContextOverflowError, SessionError, TokenRangeError
-    if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 1:
-        raise SessionError(f"max_tokens: expected an integer >= 1, got {max_tokens!r}")
-    for name, t in (("first_token", first_token), ("eos_token", eos_token)):
-        if t is None and name == "eos_token":
-            continue
-        if isinstance(t, bool) or int(t) != t or not 0 <= int(t) < s.cfg.n_vocab:
-            raise TokenRangeError(f"{name} {t!r}: out of range [0, {s.cfg.n_vocab})")
-    if not s._valid:
-        raise SessionError("eval_speculative_argmax: sync a prompt first")
-    if s.force is not None:
-        raise SessionError("eval_speculative_argmax: a session with force_decisions "
-                           "decodes one token at a time")
-    if s.pos + 1 >= s.ctx_size:
-        raise ContextOverflowError(f"eval: position {s.pos} would fill ctx_size "
-                                   f"{s.ctx_size}")
-
-
 def eval_speculative_argmax(s, first_token: int, max_tokens: int,
                             eos_token: int | None = None) -> list[int]:
     """Commit first_token, then the MTP drafts the target agrees with; returns them all.
@@ -255,7 +236,7 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
     one instead (decode_rows), which keeps that guarantee and gives up the batch's
     speed.
     Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
-    _check_speculative(s, first_token, max_tokens, eos_token)
+    s._check_speculative(first_token, max_tokens, eos_token)  # chapter 8
     e, cfg = s.engine, s.cfg
     if e.mtp is None or e.mtp_draft_tokens <= 1:
         s.eval(int(first_token))

@@ -375,6 +375,27 @@ class Session:
         from ds4ref.mtp import eval_speculative_argmax
         return eval_speculative_argmax(self, first_token, max_tokens, eos_token)
 
+    def _check_speculative(self, first_token, max_tokens, eos_token) -> None:
+        """eval_speculative_argmax's arguments against this session's state, before
+        anything changes (SessionError, TokenRangeError, ContextOverflowError)."""
+        n = max_tokens
+        if isinstance(n, bool) or int(n) != n or n < 1:
+            raise SessionError(f"max_tokens: expected an integer >= 1, got {n!r}")
+        V = self.cfg.n_vocab
+        for name, t in (("first_token", first_token), ("eos_token", eos_token)):
+            if t is None and name == "eos_token":
+                continue
+            if isinstance(t, bool) or int(t) != t or not 0 <= int(t) < V:
+                raise TokenRangeError(f"{name} {t!r}: out of range [0, {V})")
+        if not self._valid:
+            raise SessionError("eval_speculative_argmax: sync a prompt first")
+        if self.force is not None:
+            raise SessionError("eval_speculative_argmax: a session with "
+                               "force_decisions decodes one token at a time")
+        if self.pos + 1 >= self.ctx_size:
+            raise ContextOverflowError(f"eval: position {self.pos} would fill ctx_size "
+                                       f"{self.ctx_size}")
+
     def sample(
         self,
         temperature: float = 1.0,

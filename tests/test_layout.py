@@ -9,12 +9,9 @@ import ds4ref
 
 PKG = Path(ds4ref.__file__).resolve().parent
 
-# Edges of cycles that only chapter 11 (`ds4ref.mtp`) can break: mtp imports the session
-# errors inside a function while Session.eval_speculative_argmax imports mtp. Each entry must still
-# exist (test_known_cycle_edges_still_exist), so that the list shrinks when they go.
-KNOWN_CYCLE_EDGES = {
-    ("ds4ref.mtp", "ds4ref.session"),   # mtp._check_speculative: SessionError & co.
-}
+# Edges of known import cycles, each to be removed (test_known_cycle_edges_still_exist keeps
+# the list honest): none left.
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def import_graph(pkg_dir: Path) -> dict[str, dict[str, int]]:

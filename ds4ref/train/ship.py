@@ -125,7 +125,8 @@ def machine() -> dict:
     import os
 
     from ds4ref.backends import machine_description
-    return {**machine_description(), "cores": os.cpu_count(), "torch": torch.__version__}
+    cores = os.cpu_count()
+    return {**machine_description(), "cores": cores, "torch": torch.__version__}
 
 
 def heldout_file_docs(tok, held_docs) -> list[str]:
