@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
         child(args.model, args.steps)
         return {}
     from ds4ref.backends import machine_description
-    from ds4ref.dev.bench_engine import run_stamp, wide_model_path
+    from ds4ref.dev.bench_engine import run_stamp, summarize_rounds, wide_model_path
     model = args.model or str(wide_model_path())
     threads = [int(t) for t in args.threads.split(",")]
     rows: dict[str, list] = {}
@@ -69,13 +69,9 @@ def main(argv=None) -> dict:
                 rows.setdefault(f"{layer} {t}t", []).append(r)
                 this[f"{layer} {t}t"] = r
         rounds.append(this)
-    table = {}
-    for label, rs in rows.items():
-        d = sorted(r["decode_tok_s"] for r in rs)
-        p = sorted(r["prefill_tok_s"] for r in rs)
-        table[label] = {"decode_tok_s": {"min": d[0], "median": statistics.median(d), "max": d[-1]},
-                        "prefill_tok_s": {"min": p[0], "median": statistics.median(p), "max": p[-1]},
-                        "decode_tok_s_rounds": [r["decode_tok_s"] for r in rs]}
+    # each row over the rounds as the engine bench keeps its rows: the median round, plus
+    # min / median / max and every round's value of decode and prefill tok/s
+    table = {label: summarize_rounds(rs) for label, rs in rows.items()}
     ratios = {}
     for t in threads:
         for what in ("decode_tok_s", "prefill_tok_s"):
@@ -84,9 +80,8 @@ def main(argv=None) -> dict:
                                                     "max": rr[-1]}
     print(f"{'row':16s} {'decode tok/s (min / median / max)':>36s} {'prefill tok/s median':>22s}")
     for label, v in table.items():
-        d = v["decode_tok_s"]
-        print(f"{label:16s} {d['min']:10.2f} {d['median']:10.2f} {d['max']:10.2f} "
-              f"{v['prefill_tok_s']['median']:18.2f}")
+        print(f"{label:16s} {v['decode_tok_s_min']:10.2f} {v['decode_tok_s_median']:10.2f} "
+              f"{v['decode_tok_s_max']:10.2f} {v['prefill_tok_s_median']:18.2f}")
     for k, v in ratios.items():
         print(f"{k:34s} median {v['median']:.2f} (min {v['min']:.2f}, max {v['max']:.2f})")
     res = {**run_stamp(), "machine": machine_description(), "model": Path(model).name,
