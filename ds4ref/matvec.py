@@ -207,18 +207,27 @@ def matvec_q8_0(w, x) -> np.ndarray:
     return matvec_q8_0_prequant(w, quantize_q8_0(np.asarray(x, np.float32)))
 
 
+def float_input(raw: np.ndarray, x, ggml_type: int) -> np.ndarray:
+    """x as an array [..., n], checked against the n values per row of the float (F16,
+    F32) weight rows raw. Mirrors ds4.c: matvec_f16 (l. 2841) (in_dim = w->dim[0])"""
+    n = row_elements(raw, ggml_type)
+    x = np.asarray(x)
+    if x.ndim < 1 or x.shape[-1] != n:
+        raise MatvecError(
+            f"{TYPE_NAMES[ggml_type]} matvec: x has shape {x.shape}, the weight rows "
+            f"have {n} values"
+        )
+    return x
+
+
 def matvec_f16(w, x) -> np.ndarray:
     """y = W x for an F16 weight [rows, n] and float32 x [..., n] (not quantized),
     accumulated in float32.
 
     Returns float32 [..., rows]. Mirrors ds4.c: matvec_f16 (l. 2841)"""
     raw = weight_rows(w, F16)
-    n = row_elements(raw, F16)
-    x = np.asarray(x)
-    if x.ndim < 1 or x.shape[-1] != n:
-        raise MatvecError(
-            f"F16 matvec: x has shape {x.shape}, the weight rows have {n} values"
-        )
+    x = float_input(raw, x, F16)
+    n = x.shape[-1]
     x2 = x.astype(np.float32, copy=False).reshape(-1, n)
     out = by_row_chunks(
         raw, len(x2), n, lambda raw: x2 @ raw.view("<f2").astype(np.float32).T
@@ -232,12 +241,8 @@ def matvec_f32(w, x) -> np.ndarray:
 
     Returns float32 [..., rows]. Mirrors ds4.c: matvec_f32 (l. 3758)"""
     raw = weight_rows(w, F32)
-    n = row_elements(raw, F32)
-    x = np.asarray(x)
-    if x.ndim < 1 or x.shape[-1] != n:
-        raise MatvecError(
-            f"F32 matvec: x has shape {x.shape}, the weight rows have {n} values"
-        )
+    x = float_input(raw, x, F32)
+    n = x.shape[-1]
     x2 = x.astype(np.float64).reshape(-1, n)
     out = by_row_chunks(   # float64 products and sums; the float32 out rounds once
         raw, len(x2), n, lambda raw: x2 @ raw.view("<f4").astype(np.float64).T

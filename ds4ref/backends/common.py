@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.matvec import MatvecError
+from ds4ref.ops import NEG_INF
 from ds4ref.quant import IQ2_XXS, Q2_K
 
 # the expert types that the fused routed-expert kernels of numba, MLX and CuPy run (the
@@ -14,6 +15,10 @@ from ds4ref.quant import IQ2_XXS, Q2_K
 FUSED_EXPERT_TYPES = {"routed_experts_mid": (IQ2_XXS,), "routed_experts_down": (Q2_K,)}
 FUSED_EXPERT_CASES = {"routed_experts_mid": "gate/up experts other than IQ2_XXS",
                       "routed_experts_down": "down experts other than Q2_K"}
+# what numba, MLX and CuPy hand to numpy's reference: a batch of tokens' attention, and
+# the expert types their fused kernels do not run
+FUSED_PARTIAL = {"attention_rows": "a batch of tokens (q [T, n_head, D])",
+                 **FUSED_EXPERT_CASES}
 
 
 def unfused_experts(be, op: str, w3):
@@ -79,3 +84,42 @@ def check_attention_args(q: np.ndarray, kv: np.ndarray, sinks: np.ndarray) -> No
             f"attention: q {q.shape}, kv {kv.shape} and sinks {sinks.shape} do not fit "
             "(expected [n_head, D], [R, D], [n_head])"
         )
+
+
+# what a device-resident cache (MLX, CuPy) mirrors of each of chapter 6's LayerCaches:
+# its arrays, and its row counts (host integers: they choose rows, no data moves)
+CACHE_FIELDS = ("raw", "comp", "attn_state_kv", "attn_state_score", "index_comp",
+                "index_state_kv", "index_state_score")
+CACHE_COUNTS = ("n_raw", "n_comp", "n_index_comp")
+
+
+def device_layers(kv, make) -> list[dict]:
+    """Per layer of the KVCache kv: its counts and capacities, and make(name, array)
+    for each of its arrays (an absent array stays None).
+    Mirrors ds4.c: metal_graph_alloc (l. 9005), the graph's device KV buffers"""
+    out = []
+    for lc in kv.layers:
+        d = {k: getattr(lc, k) for k in CACHE_COUNTS}
+        d["cap_raw"], d["ratio"], d["comp_cap"] = lc.cap_raw, lc.ratio, lc.comp_cap
+        for k in CACHE_FIELDS:
+            v = getattr(lc, k)
+            d[k] = None if v is None else make(k, v)
+        out.append(d)
+    return out
+
+
+def empty_fill(name: str) -> float:
+    """The value an empty cache array holds: -1e30 for scores, else 0."""
+    return float(NEG_INF) if name.endswith("score") else 0.0
+
+
+def host_kvcache(kv, layers, to_host):
+    """kv (a fresh KVCache of the same shape) filled with device layers' counts and
+    their arrays copied by to_host (one transfer per array)."""
+    for lc, d in zip(kv.layers, layers):
+        for k in CACHE_COUNTS:
+            setattr(lc, k, d[k])
+        for k in CACHE_FIELDS:
+            if d[k] is not None:
+                setattr(lc, k, to_host(d[k]))
+    return kv

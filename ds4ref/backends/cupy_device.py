@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4ref.backends.common import CACHE_FIELDS, device_layers, empty_fill, host_kvcache
 from ds4ref.backends.cupy_backend import NULL, ROWS_PER_BLOCK
 from ds4ref.kvcache import KVCache, KVCacheError
 from ds4ref.kvquant import E2M1_VALUES, E4M3_VALUES
 from ds4ref.moe import MoEError
-from ds4ref.ops import NEG_INF
 from ds4ref.quant import iq2xxs_grid
 from ds4ref.rope import rope_params, rope_theta
 from ds4ref.weights import f32_of
@@ -84,9 +84,7 @@ class CupyCache:
     to and from chapter 6's numpy KVCache (save / load: one transfer per array).
     Mirrors ds4.c: metal_graph_alloc (l. 9005), the graph's device KV buffers"""
 
-    FIELDS = ("raw", "comp", "attn_state_kv", "attn_state_score", "index_comp",
-              "index_state_kv", "index_state_score")
-    COUNTS = ("n_raw", "n_comp", "n_index_comp")
+    FIELDS = CACHE_FIELDS
 
     def __init__(self, cfg, ctx_size: int, cp, layers=None):
         self.cp, self.cfg, self.ctx_size = cp, cfg, int(ctx_size)
@@ -94,40 +92,19 @@ class CupyCache:
 
     def _empty(self) -> list[dict]:
         """Zero rows and -1e30 scores made on the device (nothing uploaded)."""
-        cp, out = self.cp, []
-        for lc in KVCache(self.cfg, self.ctx_size).layers:
-            d = {k: getattr(lc, k) for k in self.COUNTS}
-            d["cap_raw"], d["ratio"], d["comp_cap"] = lc.cap_raw, lc.ratio, lc.comp_cap
-            for k in self.FIELDS:
-                v = getattr(lc, k)
-                fill = float(NEG_INF) if k.endswith("score") else 0.0
-                d[k] = None if v is None else cp.full(v.shape, fill, cp.float32)
-            out.append(d)
-        return out
+        cp = self.cp
+        return device_layers(KVCache(self.cfg, self.ctx_size),
+                             lambda k, v: cp.full(v.shape, empty_fill(k), cp.float32))
 
     @classmethod
     def from_kvcache(cls, kv: KVCache, cfg, cp) -> "CupyCache":
         """The device copy of a numpy KVCache (every array uploaded once)."""
-        layers = []
-        for lc in kv.layers:
-            d = {k: getattr(lc, k) for k in cls.COUNTS}
-            d["cap_raw"], d["ratio"], d["comp_cap"] = lc.cap_raw, lc.ratio, lc.comp_cap
-            for k in cls.FIELDS:
-                v = getattr(lc, k)
-                d[k] = None if v is None else cp.asarray(v)
-            layers.append(d)
-        return cls(cfg, kv.ctx_size, cp, layers)
+        return cls(cfg, kv.ctx_size, cp, device_layers(kv, lambda k, v: cp.asarray(v)))
 
     def to_kvcache(self) -> KVCache:
         """The host copy: a numpy KVCache with the same rows, states and counts."""
-        kv = KVCache(self.cfg, self.ctx_size)
-        for lc, d in zip(kv.layers, self.layers):
-            for k in self.COUNTS:
-                setattr(lc, k, d[k])
-            for k in self.FIELDS:
-                if d[k] is not None:
-                    setattr(lc, k, self.cp.asnumpy(d[k]).astype(np.float32))
-        return kv
+        return host_kvcache(KVCache(self.cfg, self.ctx_size), self.layers,
+                            lambda a: self.cp.asnumpy(a).astype(np.float32))
 
     def copy(self) -> "CupyCache":
         """A snapshot: every device array copied on the device (no host transfer)."""

@@ -8,15 +8,10 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backends.cupy_device import CupyCache, CupyOps, CupyWeights
+from ds4ref.backends.resident import ResidentEngine, ResidentSession
 from ds4ref.engine import Engine
 from ds4ref.ops import NEG_INF
-from ds4ref.session import (
-    ContextOverflowError,
-    Session,
-    SessionError,
-    TokenRangeError,
-)
-from ds4ref.trace import NO_TRACE
+from ds4ref.session import ContextOverflowError, TokenRangeError
 
 
 class CupyForward:
@@ -230,66 +225,17 @@ class CupyForward:
         return int(logits.argmax()) if want == "argmax" else None
 
 
-class CupySession(Session):
-    """A Session whose KV cache is a CupyCache and whose tokens run through
-    CupyForward: sync decodes a prompt token by token (only the last logits come
-    back), eval decodes one; snapshot / restore copy device arrays on the device;
-    save / load go through chapter 6's KVCache. Traces, forced decisions and steering
-    need the op-by-op path (backend='cupy') and raise here.
+class CupySession(ResidentSession):
+    """A ResidentSession whose cache is a CupyCache, updated in place by CupyForward;
+    snapshot / restore copy device arrays on the device.
     Mirrors ds4.c: struct ds4_session (l. 15716) on the GPU backend"""
+    device_name, backend_name = "CuPy", "cupy"
 
-    def _reset(self) -> None:
-        super()._reset()
-        self._cache = self.engine.forward.new_cache(self.ctx_size)
-
-    def _resident_only(self) -> None:
-        if self.trace is not NO_TRACE or self.force is not None or (
-            self.engine.steering is not None
-        ):
-            raise SessionError(
-                "the resident CuPy forward does not trace, replay decisions or steer; "
-                "open the engine with backend='cupy' (op by op) for those")
-
-    def _rebuild(self, toks: list[int], progress=None) -> int:
-        self._resident_only()
-        self._reset()
-
-        def go():
-            fw = self.engine.forward
-            for i, t in enumerate(toks):
-                want = "logits" if i == len(toks) - 1 else "none"
-                out = fw.eval(self._cache, t, i, want)
-                if progress is not None:
-                    progress(i + 1, len(toks))
-            self._logits = out
-            self._tokens, self._valid = list(toks), True
-        self._run(go)
-        return len(toks)
-
-    def _eval_unchecked(self, token: int) -> None:
-        self._resident_only()
-
-        def go():
-            self._logits = self.engine.forward.eval(self._cache, token, self.pos)
-            self._tokens.append(token)
-            self._valid = True
-        self._run(go)
-
-    def save(self, path) -> None:
-        live = self._cache
-        self._cache = live.to_kvcache()
-        try:
-            super().save(path)
-        finally:
-            self._cache = live
-
-    def load(self, path) -> None:
-        super().load(path)
-        cp = self.engine.forward.cp
-        self._cache = CupyCache.from_kvcache(self._cache, self.cfg, cp)
+    def _device_cache(self, kv):
+        return CupyCache.from_kvcache(kv, self.cfg, self.engine.forward.cp)
 
 
-class CupyEngine(Engine):
+class CupyEngine(ResidentEngine):
     """An Engine whose sessions decode on the GPU (CupySession): the weights go up once
     per engine, each session's cache lives in device memory.
 
@@ -309,11 +255,4 @@ class CupyEngine(Engine):
         eng.forward = CupyForward(eng.cfg, eng.weights, be.cp, be.k, ctx_size)
         return eng
 
-    def session(self, ctx_size: int | None = None, force_decisions=None) -> CupySession:
-        """A new session; ctx_size is bounded by the engine's RoPE tables (open's)."""
-        size = self.forward.ctx_size if ctx_size is None else ctx_size
-        if size > self.forward.ctx_size:
-            raise ContextOverflowError(
-                f"ctx_size {size}: this CupyEngine was opened for at most "
-                f"{self.forward.ctx_size} (CupyEngine.open(..., ctx_size=))")
-        return CupySession(self, size, force_decisions)
+    session_class = CupySession

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4ref.backends.common import CACHE_FIELDS, device_layers, empty_fill, host_kvcache
 from ds4ref.kvcache import KVCache
 from ds4ref.kvquant import E2M1_VALUES, E4M3_VALUES
 from ds4ref.ops import NEG_INF
@@ -100,9 +101,7 @@ class MlxCache:
     KVCache (for save / load).
     Mirrors ds4.c: ds4_kv_cache (l. 6172) on the device (ds4_metal_kv_cache)"""
 
-    FIELDS = ("raw", "comp", "attn_state_kv", "attn_state_score", "index_comp",
-              "index_state_kv", "index_state_score")
-    COUNTS = ("n_raw", "n_comp", "n_index_comp")
+    FIELDS = CACHE_FIELDS
 
     def __init__(self, cfg, ctx_size: int, mx, layers=None):
         self.mx, self.cfg, self.ctx_size = mx, cfg, int(ctx_size)
@@ -111,46 +110,19 @@ class MlxCache:
     def _empty(self) -> list[dict]:
         """Zero rows and -1e30 scores made on the device (nothing uploaded), with
         chapter 6's LayerCache shapes."""
-        mx, out = self.mx, []
-        for lc in KVCache(self.cfg, self.ctx_size).layers:
-            d = {k: getattr(lc, k) for k in self.COUNTS}
-            d["cap_raw"], d["ratio"], d["comp_cap"] = lc.cap_raw, lc.ratio, lc.comp_cap
-            for k in self.FIELDS:
-                v = getattr(lc, k)
-                fill = float(NEG_INF) if k.endswith("score") else 0.0
-                d[k] = None if v is None else mx.full(v.shape, fill, mx.float32)
-            out.append(d)
-        return out
-
-    def _from(self, kv: KVCache) -> list[dict]:
-        out = []
-        for lc in kv.layers:
-            d = {k: getattr(lc, k) for k in self.COUNTS}
-            d["cap_raw"], d["ratio"], d["comp_cap"] = lc.cap_raw, lc.ratio, lc.comp_cap
-            for k in self.FIELDS:
-                v = getattr(lc, k)
-                d[k] = None if v is None else self.mx.array(v)
-            out.append(d)
-        return out
+        mx = self.mx
+        return device_layers(KVCache(self.cfg, self.ctx_size),
+                             lambda k, v: mx.full(v.shape, empty_fill(k), mx.float32))
 
     @classmethod
     def from_kvcache(cls, kv: KVCache, cfg, mx) -> "MlxCache":
         """The device copy of a numpy KVCache (every array uploaded once)."""
-        c = cls.__new__(cls)
-        c.mx, c.cfg, c.ctx_size = mx, cfg, kv.ctx_size
-        c.layers = c._from(kv)
-        return c
+        return cls(cfg, kv.ctx_size, mx, device_layers(kv, lambda k, v: mx.array(v)))
 
     def to_kvcache(self) -> KVCache:
         """The host copy: a numpy KVCache with the same rows, states and counts."""
-        kv = KVCache(self.cfg, self.ctx_size)
-        for lc, d in zip(kv.layers, self.layers):
-            for k in self.COUNTS:
-                setattr(lc, k, d[k])
-            for k in self.FIELDS:
-                if d[k] is not None:
-                    setattr(lc, k, np.array(d[k], np.float32))
-        return kv
+        return host_kvcache(KVCache(self.cfg, self.ctx_size), self.layers,
+                            lambda a: np.array(a, np.float32))
 
     def copy(self) -> "MlxCache":
         """A snapshot: new dicts holding the same (immutable) mx arrays."""

@@ -7,12 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backends.mlx_device import MlxCache, MlxOps, MlxWeights
+from ds4ref.backends.resident import ResidentEngine, ResidentSession
 from ds4ref.engine import Engine
-from ds4ref.kvcache import KVCache
-from ds4ref.ops import NEG_INF
-from ds4ref.session import Session, SessionError
-from ds4ref.trace import NO_TRACE
-from ds4ref.weights import f32_of
 
 
 class MlxForward:
@@ -241,69 +237,21 @@ class MlxForward:
         return (np.array(logits) if want == "logits" else None), new
 
 
-class MlxSession(Session):
-    """A Session whose KV cache is an MlxCache and whose tokens run through
-    MlxForward: sync decodes token by token (the last token's logits come back),
-    eval decodes one; snapshot / restore keep mx arrays, save / load go through chapter
-    6's KVCache. Traces, forced decisions and steering need the op-by-op path
-    (backend='mlx'), and raise here.
+class MlxSession(ResidentSession):
+    """A ResidentSession whose cache is an MlxCache: MlxForward returns each step's new
+    cache (mx arrays are immutable), which the session keeps.
     Mirrors ds4.c: struct ds4_session (l. 15716) on the Metal backend"""
+    device_name, backend_name = "MLX", "mlx"
 
-    def _reset(self) -> None:
-        super()._reset()
-        self._cache = self.engine.forward.new_cache(self.ctx_size)
+    def _step(self, token: int, pos: int, want: str = "logits"):
+        out, self._cache = self.engine.forward.eval(self._cache, token, pos, want)
+        return out
 
-    def _resident_only(self) -> None:
-        if self.trace is not NO_TRACE or self.force is not None or (
-            self.engine.steering is not None
-        ):
-            raise SessionError(
-                "the resident MLX forward does not trace, replay decisions or steer; "
-                "open the engine with backend='mlx' (op by op) for those"
-            )
-
-    def _rebuild(self, toks: list[int], progress=None) -> int:
-        self._resident_only()
-        self._reset()
-
-        def go():
-            fw = self.engine.forward
-            for i, t in enumerate(toks):
-                last = i == len(toks) - 1
-                want = "logits" if last else "none"
-                out, self._cache = fw.eval(self._cache, t, i, want)
-                if progress is not None:
-                    progress(i + 1, len(toks))
-            self._logits = out
-            self._tokens, self._valid = list(toks), True
-        self._run(go)
-        return len(toks)
-
-    def _eval_unchecked(self, token: int) -> None:
-        self._resident_only()
-
-        def go():
-            self._logits, self._cache = self.engine.forward.eval(
-                self._cache, token, self.pos)
-            self._tokens.append(token)
-            self._valid = True
-        self._run(go)
-
-    def save(self, path) -> None:
-        live = self._cache
-        self._cache = live.to_kvcache()
-        try:
-            super().save(path)
-        finally:
-            self._cache = live
-
-    def load(self, path) -> None:
-        super().load(path)
-        mx = self.engine.forward.mx
-        self._cache = MlxCache.from_kvcache(self._cache, self.cfg, mx)
+    def _device_cache(self, kv):
+        return MlxCache.from_kvcache(kv, self.cfg, self.engine.forward.mx)
 
 
-class MlxEngine(Engine):
+class MlxEngine(ResidentEngine):
     """An Engine whose sessions decode on the device (MlxSession): the weights are
     uploaded once per engine, each session's cache lives in MLX.
 
@@ -321,14 +269,7 @@ class MlxEngine(Engine):
         eng.forward = MlxForward(eng.cfg, eng.weights, ctx_size, device)
         return eng
 
-    def session(self, ctx_size: int | None = None, force_decisions=None) -> MlxSession:
-        """A new session; ctx_size is fixed by the engine's RoPE tables (open's)."""
-        size = self.forward.ctx_size if ctx_size is None else ctx_size
-        if size > self.forward.ctx_size:
-            raise SessionError(
-                f"ctx_size {size}: this MlxEngine was opened for at most "
-                f"{self.forward.ctx_size} (MlxEngine.open(..., ctx_size=))")
-        return MlxSession(self, size, force_decisions)
+    session_class = MlxSession
 
 
 class TransferCounter:

@@ -9,8 +9,8 @@ from numba import njit, prange
 
 from ds4ref.backend import NumpyBackend
 from ds4ref.backends.common import (
-    FUSED_EXPERT_CASES,
     FUSED_EXPERT_TYPES,
+    FUSED_PARTIAL,
     check_attention_args,
     expert_ids,
     row_mask,
@@ -228,8 +228,7 @@ class NumbaBackend(NumpyBackend):
             "matvec_q4_K_q8_K",
         }
     )
-    partial = {"attention_rows": "a batch of tokens (q [T, n_head, D])",
-               **FUSED_EXPERT_CASES}
+    partial = FUSED_PARTIAL
     expert_types = FUSED_EXPERT_TYPES
     matvec_q8_0_prequant = staticmethod(numba_matvec_q8_0_prequant)
     matvec_f16 = staticmethod(numba_matvec_f16)

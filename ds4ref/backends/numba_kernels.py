@@ -4,19 +4,10 @@
 parallel over rows."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 from numba import config, get_num_threads, njit, prange, set_num_threads
 
-from ds4ref.matvec import (
-    MatvecError,
-    q8_0_fields,
-    q8_K_fields,
-    row_elements,
-    weight_rows,
-)
-from ds4ref.quant import F16, IQ2_XXS, Q2_K, Q4_K, Q8_0, iq2xxs_grid, iq2xxs_signs
+from ds4ref.quant import iq2xxs_grid, iq2xxs_signs
 
 # f16 bit pattern -> float32, so kernels can read f16 scales straight from the bytes
 # (numba has no float16)

@@ -20,6 +20,7 @@ from ds4ref.backends.numba_kernels import (
 from ds4ref.backends.numba_simd import IQ2_XXS_SIMD, IQ2XXS_SIGN_MASKS, Q2_K_SIMD
 from ds4ref.matvec import (
     MatvecError,
+    float_input,
     q8_0_fields,
     q8_K_fields,
     row_elements,
@@ -51,12 +52,8 @@ def numba_matvec_f16(w, x) -> np.ndarray:
     """As ds4ref.matvec.matvec_f16, by f16_kernel.
     Mirrors ds4.c: matvec_f16 (l. 2841)"""
     raw = _rows(w, F16)
-    n = row_elements(raw, F16)
-    x = np.asarray(x)
-    if x.ndim < 1 or x.shape[-1] != n:
-        raise MatvecError(
-            f"F16 matvec: x has shape {x.shape}, the weight rows have {n} values"
-        )
+    x = float_input(raw, x, F16)
+    n = x.shape[-1]
     x2 = np.ascontiguousarray(x.reshape(-1, n), dtype=np.float32)
     out = _out(len(x2), raw.shape[0])
     run_kernel(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config, njit, prange
 
-from ds4ref.backends.numba_kernels import F16_TO_F32, IQ2XXS_SIGNS, _f16
+from ds4ref.backends.numba_kernels import IQ2XXS_SIGNS, _f16
 
 from llvmlite import binding as _llvm_binding, ir
 from numba import types
