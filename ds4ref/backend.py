@@ -45,6 +45,10 @@ class Backend(Protocol):
     Mirrors ds4.c: the CPU path's matvec drivers (l. 2808-4034), attention (l. 6700)"""
     name: str
     implements: frozenset
+    has_device_forward: bool   # chapter 8: a whole-token forward on a device
+
+    def device_forward(self, cfg, weights, ctx_size: int):
+        """A chapter-8 DeviceForward over weights uploaded once, or None."""
 
     def matvec_q8_0(self, w, x) -> np.ndarray:
         """Q8_0 W [rows, n] times float32 x [..., n], quantized first -> [..., rows]."""
@@ -132,6 +136,8 @@ class NumpyBackend:
     # op -> the case of it that this class still hands to the numpy reference
     partial: dict = {}
     is_strict = False
+    # numpy's arrays are host arrays: no device forward (chapter 8's resident=True)
+    has_device_forward = False
     matvec_q8_0_prequant = staticmethod(matvec_q8_0_prequant)
     matvec_f16 = staticmethod(matvec_f16)
     matvec_f32 = staticmethod(matvec_f32)
@@ -264,6 +270,12 @@ class NumpyBackend:
                 "by this backend (outside strict mode it runs numpy's reference)"
             )
         return NumpyBackend.__dict__[op].__get__(self, NumpyBackend)
+
+    def device_forward(self, cfg, weights, ctx_size: int):
+        """The whole-token forward on this backend's device (chapter 8's DeviceForward),
+        or None: numpy's op path already keeps every array in host memory.
+        Mirrors ds4.c: nothing (the CPU build has no graph driver)"""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

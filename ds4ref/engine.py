@@ -17,6 +17,7 @@ from ds4ref.session import (  # noqa: F401
     Snapshot,
     TokenRangeError,
 )
+from ds4ref.resident import ResidentSession, check_session_size
 from ds4ref.tokenizer import Tokenizer
 
 
@@ -57,6 +58,7 @@ class Engine:
     steering = None      # a chapter-11 Steering (directional steering), or None
     mtp = None           # a chapter-11 MTPModel (the MTP draft block), or None
     mtp_draft_tokens, mtp_margin = 1, 3.0
+    forward = None       # a DeviceForward (resident=True): sessions decode on it
 
     @classmethod
     def open(
@@ -64,6 +66,8 @@ class Engine:
         path=None,
         backend="auto",
         *,
+        resident: bool = False,
+        ctx_size: int = 1024,
         mtp_path=None,
         mtp_draft_tokens: int = 4,
         mtp_margin: float = 3.0,
@@ -78,13 +82,20 @@ class Engine:
         mtp_path: an MTP GGUF (default: the bundled model's, when the bundled model is
         opened); steering_file: an f32 [n_layer, n_embd] direction file, applied after
         attention and after the FFN with scales steering_attn / steering_ffn (None: 1.0
-        with a file, as ds4's CLI). Both are chapter 11."""
+        with a file, as ds4's CLI). Both are chapter 11.
+
+        resident: decode on the backend's device forward (be.device_forward, for
+        sessions of up to ctx_size positions); refuses a backend without one, steering
+        and an MTP file (those need host arrays between ops)."""
         from ds4ref.weights import load_model
         bundled = path is None
         if path is None:
             from ds4ref.bundled import default_model_path
             path = default_model_path()
         be = resolve_backend(backend)
+        if resident:
+            _check_resident(be, mtp_path, steering_file)
+            be = be.strict()        # the device forward runs the backend's kernels only
         gguf, cfg, weights = load_model(path)
         be.check_weights(weights)   # strict: refuse now what would run in numpy
         eng = cls(Path(path), gguf, cfg, weights, _tokenizer_of(gguf), be)
@@ -92,9 +103,11 @@ class Engine:
         from ds4ref.steering import open_steering
         eng.steering = open_steering(cfg, steering_file, steering_attn, steering_ffn)
         eng.mtp, eng.mtp_draft_tokens, eng.mtp_margin = open_mtp_options(
-            eng, mtp_path, mtp_draft_tokens, mtp_margin, bundled)
+            eng, mtp_path, mtp_draft_tokens, mtp_margin, bundled and not resident)
         if eng.mtp is not None:
             be.check_weights(eng.mtp)
+        if resident:
+            eng.forward = be.device_forward(cfg, weights, ctx_size)
         return eng
 
     @property
@@ -104,13 +117,32 @@ class Engine:
         return self.mtp is not None
 
     def session(
-        self, ctx_size: int = 1024, force_decisions: dict | None = None
+        self, ctx_size: int | None = None, force_decisions: dict | None = None
     ) -> "Session":
-        """A new empty session with a KV cache for `ctx_size` positions.
+        """A new empty session with a KV cache for `ctx_size` positions (None: 1024, or
+        a resident engine's whole ctx_size); a resident engine's is a ResidentSession.
 
         Mirrors ds4.c: ds4_session_create (l. 17309)
         """
-        return Session(self, ctx_size, force_decisions)
+        if self.forward is None:
+            return Session(self, 1024 if ctx_size is None else ctx_size,
+                           force_decisions)
+        ctx_size = self.forward.ctx_size if ctx_size is None else ctx_size
+        check_session_size(self.forward, ctx_size)
+        return ResidentSession(self, ctx_size, force_decisions)
+
+
+def _check_resident(be, mtp_path, steering_file) -> None:
+    """Refuse, before loading, a resident engine that could not be one."""
+    if not be.has_device_forward:
+        raise BackendError(
+            f"resident=True: backend {be.name!r} has no device forward (its arrays are "
+            "host arrays already); the resident backends are 'mlx' and 'cupy'")
+    for what, given in (("mtp_path", mtp_path), ("steering_file", steering_file)):
+        if given is not None:
+            raise BackendError(
+                f"resident=True: {what} needs the op-by-op path (host arrays between "
+                "ops); open with resident=False")
 
 
 def _tokenizer_of(gguf) -> Tokenizer | None:

@@ -21,7 +21,7 @@ from ds4ref import backends
 from ds4ref.backend import NUMPY
 from ds4ref.backends import (BACKENDS, HARDWARE, VERIFIED, BackendError, UnimplementedOpError, available_backends,
                              backend_status, choose_backend, get_backend)
-from ds4ref.backends.cupy_backend import KERNEL_FILES, KERNEL_NAMES, kernel_source
+from ds4ref.backends.cupy_kernels import KERNEL_FILES, KERNEL_NAMES, kernel_source
 from ds4ref.engine import Engine
 from ds4ref.dev.oracle import logit_agreement, replay_golden
 from ds4ref.matvec import MatvecError

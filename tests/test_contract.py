@@ -138,6 +138,6 @@ def test_strict_backend_refuses_at_open(q2_model, q4_model):
 
 def test_resident_mlx_refuses_q4_K_experts(q4_model):
     pytest.importorskip("mlx.core")
-    from ds4ref.backends.mlx_resident import MlxEngine
+    from ds4ref.backends.mlx_backend import MlxBackend
     with pytest.raises(UnimplementedOpError, match=r"'mlx' \(strict\): routed_experts_mid .*Q4_K"):
-        MlxEngine.open(q4_model, ctx_size=32)
+        Engine.open(q4_model, MlxBackend(device="cpu"), resident=True, ctx_size=32)

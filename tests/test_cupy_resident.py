@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from ds4ref.backends.cupy_backend import CupyBackend
-from ds4ref.backends.cupy_resident import CupyEngine
 from ds4ref.dev.cupy_standin import StandinCupy, StandinError
 from ds4ref.dev.writer import synthetic_model_path
 from ds4ref.engine import Engine
@@ -27,7 +26,8 @@ def path():
 
 @pytest.fixture(scope="module")
 def engine(path):
-    return CupyEngine.open(path, ctx_size=CTX, cp=StandinCupy())
+    return Engine.open(path, backend=CupyBackend(cp=StandinCupy()), resident=True,
+                       ctx_size=CTX)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_snapshot_restore_save_load(engine, tmp_path):
 def test_resident_refuses_what_it_does_not_do(engine):
     s = engine.session(64)
     s.trace = Trace()
-    with pytest.raises(SessionError, match="backend='cupy'"):
+    with pytest.raises(SessionError, match="resident=False"):
         s.sync([1, 2])
 
 
@@ -206,7 +206,7 @@ def test_gpu_resident_transfers_and_agreement_with_numpy(path, reference):
     the resident MLX forward: float sums run in the kernels' order, not numpy's)."""
     import cupy
     cp = CountingCupy(cupy)
-    eng = CupyEngine.open(path, ctx_size=CTX, cp=cp)
+    eng = Engine.open(path, backend=CupyBackend(cp=cp), resident=True, ctx_size=CTX)
     s, r = eng.session(CTX), reference.session(CTX)
     tok, corrs, checked = 1, [], 0
     for _ in range(130):
@@ -224,3 +224,24 @@ def test_gpu_resident_transfers_and_agreement_with_numpy(path, reference):
     assert checked > 30
     with pytest.raises(TokenRangeError):
         s.eval(eng.cfg.n_vocab)
+
+
+def test_resident_engine_is_the_contracts_second_half(engine, path):
+    """Engine.open(resident=True) asks the backend for a chapter-8 DeviceForward; numpy has
+    none, and what needs host arrays between ops is refused at open, by name."""
+    from ds4ref.backend import BackendError
+    from ds4ref.resident import DeviceCache, DeviceForward, ResidentSession
+    assert isinstance(engine.forward, DeviceForward)
+    s = engine.session()
+    assert isinstance(s, ResidentSession) and s.ctx_size == CTX
+    assert isinstance(s._cache, DeviceCache)
+    with pytest.raises(ContextOverflowError, match="opened for at most 192"):
+        engine.session(CTX + 1)
+    with pytest.raises(BackendError, match="want='top'"):
+        engine.forward.eval(engine.forward.new_cache(8), 1, 0, want="top")
+    with pytest.raises(BackendError, match="'numpy' has no device forward"):
+        Engine.open(path, backend="numpy", resident=True)
+    with pytest.raises(BackendError, match="steering_file needs the op-by-op path"):
+        Engine.open(path, backend=CupyBackend(cp=StandinCupy()), resident=True,
+                    steering_file=path)
+    assert Engine.open(path, backend="numpy").forward is None

@@ -350,15 +350,18 @@ def test_the_contract_names_what_the_model_calls():
     from pathlib import Path
     import ds4ref
     members = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
-    assert tuple(members) == OPS and not set(OPS) & set(EXTRA_OPS)
+    # the contract's second half (chapter 8's resident engines) is the one member not an op
+    assert members[0] == "device_forward" and "has_device_forward" in Backend.__annotations__
+    assert tuple(members[1:]) == OPS and not set(OPS) & set(EXTRA_OPS)
     called = set()
     for path in Path(ds4ref.__file__).parent.glob("*.py"):
         if path.name not in ("backend.py", "bench.py", "bench_engine.py"):
             called |= set(re.findall(r"\bbe\.(\w+)\(", path.read_text()))
     # layer code names no kernel: it projects (by the weight's type) or asks for the experts' kernels
     from ds4ref.backend import EXPERT_OPS, PROJECT_OPS
-    dispatch = {"project", "expert_pair", "expert_matvec", "check_weights"}   # check_weights: at open
-    assert dispatch <= called and called - dispatch <= set(OPS), called - dispatch - set(OPS)
+    # check_weights, strict, device_forward: at open
+    dispatch = {"project", "expert_pair", "expert_matvec", "check_weights", "strict", "device_forward"}
+    assert {"project", "expert_pair", "expert_matvec", "check_weights"} <= called and called - dispatch <= set(OPS), called - dispatch - set(OPS)
     reachable = (called - dispatch) | set(PROJECT_OPS.values()) | set(EXPERT_OPS.values()) | {
         "matvec_q8_0_prequant", "matvec_iq2_xxs_pair_q8_K"}      # project(w, Q8Act); expert_pair on IQ2_XXS
     assert set(OPS) <= reachable, set(OPS) - reachable

@@ -10,11 +10,8 @@ pytest.importorskip("mlx.core")
 
 from _helpers import rel  # noqa: E402
 
-from ds4ref.backends.mlx_resident import (  # noqa: E402
-    MlxEngine,
-    MlxForward,
-    TransferCounter,
-)
+from ds4ref.backends.mlx_backend import MlxBackend  # noqa: E402
+from ds4ref.backends.mlx_resident import MlxForward, TransferCounter  # noqa: E402
 from ds4ref.engine import Engine  # noqa: E402
 from ds4ref.session import SessionError
 from ds4ref.kvcache import KVCache  # noqa: E402
@@ -27,12 +24,13 @@ LAYERS = range(6)
 @pytest.fixture(scope="module")
 def fw(model):
     cfg, W = model
-    return MlxForward(cfg, W, ctx_size=320, device="cpu")
+    return MlxBackend(device="cpu").device_forward(cfg, W, 320)
 
 
 @pytest.fixture(scope="module")
 def engine(oracle_gguf):
-    return MlxEngine.open(oracle_gguf, device="cpu", ctx_size=256)
+    return Engine.open(oracle_gguf, backend=MlxBackend(device="cpu"), resident=True,
+                       ctx_size=256)
 
 
 def _np(x):
@@ -116,7 +114,7 @@ def test_decode_agrees_with_the_numpy_reference(model, fw):
     ref_cache, cache = KVCache(cfg, 320), fw.new_cache()
     corrs, checked = [], 0
     for pos, t in enumerate(toks):
-        ours, cache = fw.eval(cache, int(t), pos)
+        ours = fw.eval(cache, int(t), pos)
         ref = forward_token(cfg, W, ref_cache, int(t), pos)
         corrs.append(np.corrcoef(ours, ref)[0, 1])
         top2 = np.sort(ref)[-2:]
@@ -185,7 +183,7 @@ def test_session_snapshot_save_load_rewind(engine, tmp_path):
 def test_resident_refuses_what_it_does_not_do(engine):
     s = engine.session(64)
     s.trace = Trace()
-    with pytest.raises(SessionError, match="backend='mlx'"):
+    with pytest.raises(SessionError, match="resident=False"):
         s.sync([1, 2])
     with pytest.raises(SessionError, match="ctx_size"):
         engine.session(4096)

@@ -4,11 +4,11 @@
 data ds4ref.kernels)."""
 from __future__ import annotations
 
-from importlib import resources
-
 import numpy as np
 
 from ds4ref.backend import NumpyBackend
+from ds4ref.backends.cupy_kernels import NULL, ROWS_PER_BLOCK, load_kernels
+from ds4ref.backends.cupy_layer_ops import CupyLayerOps
 from ds4ref.backends.common import (
     FUSED_EXPERT_TYPES,
     FUSED_PARTIAL,
@@ -21,62 +21,11 @@ from ds4ref.weights import f32_of
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid
 
-KERNEL_FILES = ("matvec.cu", "layer_ops.cu")
-KERNEL_NAMES = (
-    "matvec_q8_0_q8_0",
-    "matvec_f16_f32",
-    "matvec_iq2_xxs_pair_q8_K",
-    "matvec_q2_K_q8_K",
-    "rms_norm_rows",
-    "rope_tail",
-    "sink_attention",
-    "compressor_pool",
-)
-ROWS_PER_BLOCK = 4   # kernels/matvec.cu: one warp per output row, 4 warps per block
-NULL = np.uint64(0)  # a null pointer argument (optional weights, masks, expert ids)
-
-
-def kernel_dir():
-    """The folder that holds the installed CUDA sources (ds4ref.kernels package data).
-
-    Mirrors ds4.c: nothing (package data)"""
-    return resources.files("ds4ref.kernels")
-
-
-def kernel_source(name: str) -> str:
-    """The text of one installed CUDA source file, e.g. 'matvec.cu'.
-
-    Mirrors ds4.c: nothing (package data)"""
-    return (kernel_dir() / name).read_text()
-
-
-def load_kernels(cp):
-    """Compile kernels/*.cu with CuPy (NVRTC) and return {kernel name: RawKernel}.
-
-    Mirrors ds4.c: ds4_gpu_init's CUDA path (the graph driver, l. 8082-14249), which
-    loads ds4_cuda.cu."""
-    with resources.as_file(kernel_dir()) as folder:
-        kernels = {}
-        for fname in KERNEL_FILES:
-            src = kernel_source(fname)
-            module = cp.RawModule(code=src, options=("-std=c++14", f"-I{folder}"))
-            module.compile()  # NVRTC errors surface here, with the compiler's log
-            for kname in KERNEL_NAMES:
-                if f"void {kname}(" in src:
-                    kernels[kname] = module.get_function(kname)
-    missing = set(KERNEL_NAMES) - set(kernels)
-    if missing:
-        raise RuntimeError(
-            f"CUDA kernels not found in {KERNEL_FILES}: {sorted(missing)}"
-        )
-    return kernels
-
-
 def _lead(qs: np.ndarray):
     return qs.shape[:-1], int(np.prod(qs.shape[:-1], dtype=np.int64))
 
 
-class CupyBackend(NumpyBackend):
+class CupyBackend(CupyLayerOps, NumpyBackend):
     """NumpyBackend with the quantized matvecs, norms, RoPE, sink attention and
     compressor pooling on a CUDA GPU.
 
@@ -112,6 +61,15 @@ class CupyBackend(NumpyBackend):
         self._grid = cp.asarray(
             np.ascontiguousarray(iq2xxs_grid, dtype=np.uint8).reshape(-1)
         )
+
+    has_device_forward = True
+
+    def device_forward(self, cfg, weights, ctx_size: int = 1024):
+        """The whole token on the GPU (9.4's CupyForward, a chapter-8 DeviceForward),
+        over this backend's kernels: Engine.open(..., backend="cupy", resident=True).
+        Mirrors ds4.c: ds4_engine_open (l. 17165) with a GPU backend"""
+        from ds4ref.backends.cupy_resident import CupyForward
+        return CupyForward(cfg, weights, self.cp, self.k, ctx_size)
 
     # -- memory ------------------------------------------------------------------------
     def up(self, a, dtype=None):
@@ -420,87 +378,6 @@ class CupyBackend(NumpyBackend):
             acc = (acc + down[s]).astype(np.float32)
         return acc
 
-    # -- layer ops ---------------------------------------------------------------------
-    def rms_norm_rows(self, x, w=None, eps: float = 1e-6) -> np.ndarray:
-        """RMSNorm of every row of x [..., n] (times w [n] when given); double sum of
-        squares as ds4.c.
-
-        Mirrors ds4.c: rms_norm_weight (l. 2781) / rms_norm_no_weight (l. 2772) /
-        head_rms_norm_inplace (l. 2790)"""
-        cp = self.cp
-        x = np.asarray(x, np.float32)
-        n = x.shape[-1]
-        rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-        if w is not None and f32_of(w).shape != (n,):
-            raise ValueError(
-                f"rms_norm_rows: weight of shape {f32_of(w).shape} for rows of {n}"
-            )
-        out = cp.empty((rows, n), cp.float32)
-        if rows == 0:
-            return np.empty(x.shape, np.float32)
-        wd = self.up(f32_of(w)) if w is not None else NULL
-        self.k["rms_norm_rows"](
-            (rows,),
-            (256,),
-            (self.up(x.reshape(rows, n)), wd, out, np.int32(n), np.float32(eps)),
-        )
-        return cp.asnumpy(out).reshape(x.shape)
-
-    def rope_tail(
-        self, x, pos: int, cfg, compress_ratio: int, inverse: bool = False
-    ) -> np.ndarray:
-        """RoPE (YaRN on compressed layers) on the last n_rot dims of every head of x
-        [..., head_dim] at position pos; the same arguments as ds4ref.rope.rope_tail.
-        Mirrors ds4.c: rope_tail_ext_inplace (l. 4766)"""
-        from ds4ref.rope import rope_params, yarn_corr_dims
-        cp = self.cp
-        x = np.asarray(x, np.float32)
-        if x.ndim == 0 or x.shape[-1] < cfg.n_rot or cfg.n_rot % 2:
-            raise ValueError(
-                f"rope_tail: rows of width {x.shape[-1:]} cannot hold "
-                f"n_rot={cfg.n_rot} rotated dims"
-            )
-        if not isinstance(pos, (int, np.integer)) or not 0 <= pos < 1 << 24:
-            raise ValueError(
-                f"rope_tail (CUDA): pos must be one integer in [0, 2^24), got {pos!r}"
-            )
-        prm = rope_params(cfg, compress_ratio)
-        theta_scale = np.float32(prm["base"] ** np.float32(-2.0 / cfg.n_rot))
-        lo, hi = (
-            yarn_corr_dims(
-                cfg.n_rot,
-                prm["n_ctx_orig"],
-                prm["base"],
-                cfg.yarn_beta_fast,
-                cfg.yarn_beta_slow,
-            )
-            if prm["yarn"]
-            else (0.0, 0.0)
-        )
-        head_dim = x.shape[-1]
-        n_head = x.size // head_dim
-        xd = self.up(x.reshape(n_head, head_dim))
-        n = n_head * (cfg.n_rot // 2)
-        self.k["rope_tail"](
-            ((n + 127) // 128,),
-            (128,),
-            (
-                xd,
-                np.int32(n_head),
-                np.int32(head_dim),
-                np.int32(cfg.n_rot),
-                np.int32(pos),
-                theta_scale,
-                np.float32(prm["freq_scale"]),
-                np.int32(prm["yarn"]),
-                np.float32(lo),
-                np.float32(hi),
-                np.float32(prm["mscale"]),
-                np.int32(bool(inverse)),
-            ),
-        )
-        return cp.asnumpy(xd).reshape(x.shape)
-
     def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
         """Sink attention with K = V of one token, q [n_head, D] over kv [R, D] ->
         [n_head, D], one block per head; the arguments of
@@ -534,33 +411,5 @@ class CupyBackend(NumpyBackend):
                 out,
             ),
             shared_mem=4 * D,
-        )
-        return cp.asnumpy(out)
-
-    def compressor_pool(
-        self, state_kv, state_score, head_dim: int, ratio: int
-    ) -> np.ndarray:
-        """Softmax pooling of a compressor window (ratio 4: two overlapping lanes; 128:
-        one); float32 [head_dim].
-
-        Mirrors ds4.c: compressor_pool_decode_state (l. 6459)"""
-        cp = self.cp
-        coff = 2 if ratio == 4 else 1
-        want = (coff * ratio, coff * head_dim)
-        kv, score = (
-            np.asarray(state_kv, np.float32),
-            np.asarray(state_score, np.float32),
-        )
-        if ratio not in (4, 128) or kv.shape != want or score.shape != want:
-            raise ValueError(
-                f"compressor_pool: ratio {ratio}, state_kv {kv.shape}, "
-                f"state_score {score.shape}; "
-                f"expected ratio 4 or 128 and both {want}"
-            )
-        out = cp.empty((head_dim,), cp.float32)
-        self.k["compressor_pool"](
-            ((head_dim + 127) // 128,),
-            (128,),
-            (self.up(kv), self.up(score), np.int32(head_dim), np.int32(ratio), out),
         )
         return cp.asnumpy(out)

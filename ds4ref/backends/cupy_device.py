@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backends.common import CACHE_FIELDS, device_layers, empty_fill, host_kvcache
-from ds4ref.backends.cupy_backend import NULL, ROWS_PER_BLOCK
+from ds4ref.backends.cupy_kernels import NULL, ROWS_PER_BLOCK
 from ds4ref.kvcache import KVCache, KVCacheError
 from ds4ref.kvquant import E2M1_VALUES, E4M3_VALUES
 from ds4ref.moe import MoEError

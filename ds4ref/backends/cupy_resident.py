@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4ref.backend import BackendError
 from ds4ref.backends.cupy_device import CupyCache, CupyOps, CupyWeights
-from ds4ref.backends.resident import ResidentEngine, ResidentSession
-from ds4ref.engine import Engine
 from ds4ref.ops import NEG_INF
 from ds4ref.session import ContextOverflowError, TokenRangeError
 
@@ -18,12 +17,15 @@ class CupyForward:
     """forward_token on the GPU: embedding -> n_layer x (HC, attention with compressor /
     indexer / sinks, HC, MoE + shared expert) -> output head, all device arrays.
 
-    `eval(cache, token, pos)` uploads the token id, updates `cache` in place on the
-    device and downloads the logits (want='logits'), the greedy token ('argmax', 4
+    A chapter-8 DeviceForward (`CupyBackend.device_forward` makes one). `eval(cache,
+    token, pos)` uploads the token id, updates `cache` in place on the device and
+    downloads the logits (want='logits'), the greedy token ('argmax', 4
     bytes) or nothing ('none'). `cp` is the cupy module (or ds4ref.dev.cupy_standin's
     StandinCupy, for machines without a GPU).
     Mirrors ds4.c: metal_graph_eval_token_raw_swa (l. 12776), the graph driver that
     also runs its CUDA backend"""
+
+    device_name = "CuPy"
 
     def __init__(self, cfg, W, cp, kernels, ctx_size: int = 1024):
         self.cp, self.cfg, self.ctx_size = cp, cfg, int(ctx_size)
@@ -33,6 +35,10 @@ class CupyForward:
     def new_cache(self, ctx_size: int | None = None) -> CupyCache:
         """An empty device cache for ctx_size positions (at most the engine's)."""
         return CupyCache(self.cfg, ctx_size or self.ctx_size, self.cp)
+
+    def upload_cache(self, kv) -> CupyCache:
+        """The device copy of chapter 6's KVCache kv (for Session.load)."""
+        return CupyCache.from_kvcache(kv, self.cfg, self.cp)
 
     # -- attention ---------------------------------------------------------------------
     def compressor_decode_one(self, L, C, a, pos: int, lane: str):
@@ -208,6 +214,8 @@ class CupyForward:
         Mirrors ds4.c: metal_graph_eval_token_raw_swa (l. 12776) and, for 'argmax',
         metal_graph_eval_token_raw_swa_top (l. 12819)"""
         cp, cfg = self.cp, self.cfg
+        if want not in ("logits", "argmax", "none"):
+            raise BackendError(f"eval: want={want!r}, not 'logits', 'argmax' or 'none'")
         if isinstance(token, bool) or not 0 <= int(token) < cfg.n_vocab:
             raise TokenRangeError(f"token {token}: out of range [0, {cfg.n_vocab})")
         if not 0 <= pos < cache.ctx_size:
@@ -223,36 +231,3 @@ class CupyForward:
         if want == "logits":
             return cp.asnumpy(logits)
         return int(logits.argmax()) if want == "argmax" else None
-
-
-class CupySession(ResidentSession):
-    """A ResidentSession whose cache is a CupyCache, updated in place by CupyForward;
-    snapshot / restore copy device arrays on the device.
-    Mirrors ds4.c: struct ds4_session (l. 15716) on the GPU backend"""
-    device_name, backend_name = "CuPy", "cupy"
-
-    def _device_cache(self, kv):
-        return CupyCache.from_kvcache(kv, self.cfg, self.engine.forward.cp)
-
-
-class CupyEngine(ResidentEngine):
-    """An Engine whose sessions decode on the GPU (CupySession): the weights go up once
-    per engine, each session's cache lives in device memory.
-
-    `CupyEngine.open(path, ctx_size=1024, device=0)`; `cp=` takes another cupy-like
-    module (the tests pass ds4ref.dev.cupy_standin.StandinCupy()). The op-by-op CUDA
-    path stays `Engine.open(path, backend="cupy")`.
-    Mirrors ds4.c: ds4_engine_open (l. 17165) with a GPU backend"""
-
-    @classmethod
-    def open(cls, path=None, ctx_size: int = 1024, device: int = 0, cp=None, **kw):
-        from ds4ref.backends.cupy_backend import CupyBackend
-        be = CupyBackend(device=device, cp=cp)   # compiles kernels/*.cu (NVRTC)
-        eng = Engine.open(path, backend=be, **kw)
-        # the resident forward has CupyBackend's kernels only: refuse other types now
-        eng.backend.strict().check_weights(eng.weights)
-        eng.__class__ = cls
-        eng.forward = CupyForward(eng.cfg, eng.weights, be.cp, be.k, ctx_size)
-        return eng
-
-    session_class = CupySession

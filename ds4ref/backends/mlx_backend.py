@@ -66,6 +66,15 @@ class MlxBackend(NumpyBackend):
         self._sign_shifts = mx.array([0, 7, 14, 21], mx.uint32)
         self._q2_shifts = mx.array([0, 2, 4, 6], mx.uint8).reshape(4, 1)
 
+    has_device_forward = True
+
+    def device_forward(self, cfg, weights, ctx_size: int = 1024):
+        """The whole token in MLX on this backend's device (9.3's MlxForward, a
+        chapter-8 DeviceForward), for Engine.open(..., backend="mlx", resident=True).
+        Mirrors ds4.c: ds4_engine_open (l. 17165) with the Metal backend"""
+        from ds4ref.backends.mlx_resident import MlxForward
+        return MlxForward(cfg, weights, self, ctx_size)
+
     def resident(self, raw: np.ndarray):
         """The MLX copy of a weight's raw bytes [rows, row_bytes], made once (the host
         array is kept alive with it).

@@ -7,22 +7,21 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backends.mlx_device import MlxCache, MlxOps, MlxWeights
-from ds4ref.backends.resident import ResidentEngine, ResidentSession
-from ds4ref.engine import Engine
 
 
 class MlxForward:
     """forward_token on the device: embedding -> n_layer x (HC, attention with
     compressor / indexer / sinks, HC, MoE + shared expert) -> output head, all mx ops.
 
-    `step(cache, token, pos)` builds the token's graph (lazy) and returns the logits mx
-    [n_vocab] and the new cache (mx arrays); `eval` materialises both with one mx.eval.
+    A chapter-8 DeviceForward (`MlxBackend.device_forward` makes one). `step(cache,
+    token, pos)` builds the token's graph (lazy) and returns the logits mx [n_vocab] and
+    the new cache (mx arrays); `eval` materialises both with one mx.eval.
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703) as its Metal graph
     driver runs it (the whole token on the GPU, ds4_metal_forward_token)"""
+    device_name = "MLX"
 
-    def __init__(self, cfg, W, ctx_size: int = 1024, device: str = "cpu"):
-        from ds4ref.backends.mlx_backend import MlxBackend
-        self.be = MlxBackend(device=device)
+    def __init__(self, cfg, W, be, ctx_size: int = 1024):
+        self.be = be      # an MlxBackend: its device, its block decoders
         self.mx, self.cfg, self.ctx_size = self.be.mx, cfg, int(ctx_size)
         self.w = MlxWeights(cfg, W, self.mx)
         self.ops = MlxOps(cfg, self.mx, self.be, ctx_size)
@@ -31,6 +30,10 @@ class MlxForward:
     def new_cache(self, ctx_size: int | None = None) -> MlxCache:
         """An empty cache for ctx_size positions (at most the engine's)."""
         return MlxCache(self.cfg, ctx_size or self.ctx_size, self.mx)
+
+    def upload_cache(self, kv) -> MlxCache:
+        """The MLX copy of chapter 6's KVCache kv (for Session.load)."""
+        return MlxCache.from_kvcache(kv, self.cfg, self.mx)
 
     # -- attention ---------------------------------------------------------------------
     def _compress(self, L, C, a, pos: int, lane: str):
@@ -228,48 +231,21 @@ class MlxForward:
         return logits, new
 
     def eval(self, cache: MlxCache, token: int, pos: int, want: str = "logits"):
-        """Decode one token: one upload (the id), one mx.eval, one download (the logits
-        float32 [n_vocab], or with want='none' nothing). Returns (result, new cache)."""
+        """Decode one token: one upload (the id), one mx.eval, one download: the logits
+        float32 [n_vocab] (want='logits'), the greedy id ('argmax', one int32) or
+        nothing ('none'). The cache object takes the new state (new mx values)."""
+        from ds4ref.backend import BackendError
+        if want not in ("logits", "argmax", "none"):
+            raise BackendError(f"eval: want={want!r}, not 'logits', 'argmax' or 'none'")
         mx = self.mx
         tok = mx.array([int(token)], dtype=mx.int32)
         logits, new = self.step(cache, tok, pos)
-        mx.eval(logits, new.arrays())
-        return (np.array(logits) if want == "logits" else None), new
-
-
-class MlxSession(ResidentSession):
-    """A ResidentSession whose cache is an MlxCache: MlxForward returns each step's new
-    cache (mx arrays are immutable), which the session keeps.
-    Mirrors ds4.c: struct ds4_session (l. 15716) on the Metal backend"""
-    device_name, backend_name = "MLX", "mlx"
-
-    def _step(self, token: int, pos: int, want: str = "logits"):
-        out, self._cache = self.engine.forward.eval(self._cache, token, pos, want)
-        return out
-
-    def _device_cache(self, kv):
-        return MlxCache.from_kvcache(kv, self.cfg, self.engine.forward.mx)
-
-
-class MlxEngine(ResidentEngine):
-    """An Engine whose sessions decode on the device (MlxSession): the weights are
-    uploaded once per engine, each session's cache lives in MLX.
-
-    `MlxEngine.open(path, device="cpu")`; the op-by-op MLX path stays
-    `Engine.open(path, backend="mlx")`.
-    Mirrors ds4.c: ds4_engine_open (l. 17165) with the Metal backend"""
-
-    @classmethod
-    def open(cls, path=None, device: str = "cpu", ctx_size: int = 1024, **kw):
-        from ds4ref.backends.mlx_backend import MlxBackend
-        eng = Engine.open(path, backend=MlxBackend(device=device), **kw)
-        # the resident forward has MlxBackend's kernels only: refuse other types now
-        eng.backend.strict().check_weights(eng.weights)
-        eng.__class__ = cls
-        eng.forward = MlxForward(eng.cfg, eng.weights, ctx_size, device)
-        return eng
-
-    session_class = MlxSession
+        top = mx.argmax(logits) if want == "argmax" else logits
+        mx.eval(top, new.arrays())
+        cache.layers = new.layers
+        if want == "none":
+            return None
+        return int(top.item()) if want == "argmax" else np.array(logits)
 
 
 class TransferCounter:
