@@ -178,3 +178,112 @@ def test_iq2_simd_follows_the_host_features(monkeypatch):
     assert ns.IQ2_XXS_SIMD is (IQ2_KERNELS[0] if IQ2_KERNELS else None)
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
     assert ns.simd_kernels(ns.IQ2_XXS_BYTE_DOT) == []
+
+
+# Q8_0: the AVX-512 VNNI kernels (one token at a time, 16-token lanes) against q8_0_kernel
+from ds4ref.matvec import matvec_q8_0_prequant  # noqa: E402
+from ds4ref.quant import Q8Act  # noqa: E402
+
+Q8_0_PAIRS = ns.simd_kernels(ns.Q8_0_BYTE_DOT)
+NO_VNNI = "this CPU (or NUMBA_CPU_NAME) lacks AVX-512 VNNI + VL: the VNNI Q8_0 kernels cannot run here"
+
+
+def q8_0_rows(rng, rows: int, nb: int, extreme: bool = True) -> np.ndarray:
+    """Random Q8_0 rows (nb blocks) with finite f16 d; extreme: 30% of weight bytes -128 or 127."""
+    blocks = rng.integers(0, 256, (rows, nb, 34), dtype=np.uint8)
+    if extreme:
+        q = blocks[..., 2:]
+        blocks[..., 2:] = np.where(rng.random(q.shape) < 0.3, rng.choice(np.uint8([0x80, 0x7F]), q.shape), q)
+    blocks[..., :2] = rng.uniform(-0.02, 0.02, (rows, nb, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def q8_0_act(rng, T: int, nb: int) -> Q8Act:
+    """Random Q8_0 activations, 30% of them -128 or 127, and a block of all -128 / all 127."""
+    qs = rng.integers(-128, 128, (T, nb * 32), dtype=np.int8)
+    qs = np.where(rng.random(qs.shape) < 0.3, rng.choice(np.int8([-128, 127]), qs.shape), qs).astype(np.int8)
+    qs[0, :32] = -128
+    qs[-1, -32:] = 127
+    return Q8Act(qs, rng.uniform(0.001, 1, (T, nb)).astype(np.float32))
+
+
+def q8_0_plain(raw, a: Q8Act) -> np.ndarray:
+    out = np.empty((len(a.qs), raw.shape[0]), np.float32)
+    nk.run_kernel(nk.q8_0_kernel, raw, a.qs, a.d, nk.F16_TO_F32, out)
+    return out
+
+
+def q8_0_vnni(pair, raw, a: Q8Act, lanes: bool) -> np.ndarray:
+    out = np.empty((len(a.qs), raw.shape[0]), np.float32)
+    if lanes:
+        nk.run_kernel(pair[1], raw, *ns.q8_0_lanes_operands(a.qs, a.d), len(a.qs), nk.F16_TO_F32, out)
+    else:
+        xc = 128 * a.qs.reshape(len(a.qs), -1, 32).sum(-1, dtype=np.int32)
+        nk.run_kernel(pair[0], raw, a.qs, a.d, xc, nk.F16_TO_F32, out)
+    return out
+
+
+def test_vnni_follows_the_host_features(monkeypatch):
+    f = llvm.get_host_cpu_features()
+    if nk.config.CPU_NAME in (None, "host"):
+        want = bool(f.get("avx512vnni", False) and f.get("avx512vl", False))
+        assert ("avx512vnni" in ns.host_simd()) == want
+        assert (len(Q8_0_PAIRS) == 1) == want
+    assert ns.Q8_0_SIMD is (Q8_0_PAIRS[0] if Q8_0_PAIRS else None)
+    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    assert ns.simd_kernels(ns.Q8_0_BYTE_DOT) == []
+
+
+def test_q8_0_lanes_operands_layout():
+    """Token l of tile k in lane l: bytes 4g..4g+3 of block b at xu[k, b, g, l] hold x + 128; padding is x = 0."""
+    rng = np.random.default_rng(8)
+    a = q8_0_act(rng, 19, 3)
+    xu, xd16 = ns.q8_0_lanes_operands(a.qs, a.d)
+    assert xu.shape == (2, 3, 8, 16, 4) and xu.dtype == np.uint8 and xd16.shape == (2, 3, 16)
+    x = xu.astype(np.int32) - 128                                   # [tile, b, g, l, 4]
+    tokens = x.transpose(0, 3, 1, 2, 4).reshape(32, 96)
+    assert np.array_equal(tokens[:19], a.qs) and not tokens[19:].any()
+    assert np.array_equal(xd16.transpose(0, 2, 1).reshape(32, 3)[:19], a.d) and not xd16.transpose(0, 2, 1).reshape(32, 3)[19:].any()
+
+
+@pytest.mark.skipif(not Q8_0_PAIRS, reason=NO_VNNI)
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 16, 17, 128])
+@pytest.mark.parametrize("lanes", [False, True], ids=["one_token", "lanes"])
+def test_q8_0_vnni_equals_plain_kernel(T, lanes):
+    """Both VNNI kernels, every T, rows odd (and below/above 512), nb not a multiple of 4: the same float32 bits as
+    q8_0_kernel and as the numpy reference, extremes -128 / 127 in weights and activations."""
+    rng = np.random.default_rng(T)
+    for rows, nb in ((37, 7), (613, 41)):
+        raw, a = q8_0_rows(rng, rows, nb), q8_0_act(rng, T, nb)
+        want = q8_0_plain(raw, a)
+        assert np.array_equal(want, matvec_q8_0_prequant(raw, a))
+        assert np.array_equal(q8_0_vnni(Q8_0_PAIRS[0], raw, a, lanes), want), (rows, nb)
+
+
+@pytest.mark.skipif(not Q8_0_PAIRS, reason=NO_VNNI)
+def test_q8_0_vnni_at_the_integer_extremes():
+    """All weights -128 against all activations -128 (the largest dot, 32 * 16384) and 127 against -128."""
+    for wb, xv in ((0x80, -128), (0x7F, -128), (0x80, 127)):
+        raw = np.full((3, 4 * 34), wb, np.uint8)
+        raw.reshape(3, 4, 34)[..., :2] = np.array([0.5], np.float16).view(np.uint8)
+        a = Q8Act(np.full((5, 128), xv, np.int8), np.ones((5, 4), np.float32))
+        want = q8_0_plain(raw, a)
+        assert want[0, 0] == 4 * 0.5 * 32 * int(np.uint8(wb).view(np.int8)) * xv
+        for lanes in (False, True):
+            assert np.array_equal(q8_0_vnni(Q8_0_PAIRS[0], raw, a, lanes), want)
+
+
+def test_q8_0_backend_uses_either_path_with_the_same_bits(monkeypatch):
+    """NumbaBackend's Q8_0 matvec with its VNNI choice (one token, lanes) and forced onto q8_0_kernel, on batches
+    shaped [2, T, n] as well: the bits of the numpy reference."""
+    rng = np.random.default_rng(6)
+    raw = q8_0_rows(rng, 601, 32)
+    for T in (1, 2, 3, 4, 9, 33):
+        a = q8_0_act(rng, T, 32)
+        want = matvec_q8_0_prequant(raw, a)
+        assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), want), T
+    a = q8_0_act(rng, 6, 32)
+    batched = Q8Act(a.qs.reshape(2, 3, -1), a.d.reshape(2, 3, -1))
+    assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, batched), matvec_q8_0_prequant(raw, batched))
+    monkeypatch.setattr(nm, "Q8_0_SIMD", None)
+    assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))

@@ -17,7 +17,14 @@ from ds4ref.backends.numba_kernels import (
     q8_0_kernel,
     run_kernel,
 )
-from ds4ref.backends.numba_simd import IQ2_XXS_SIMD, IQ2XXS_SIGN_MASKS, Q2_K_SIMD
+from ds4ref.backends.numba_simd import (
+    IQ2_XXS_SIMD,
+    IQ2XXS_SIGN_MASKS,
+    Q2_K_SIMD,
+    Q8_0_LANES_MIN_T,
+    Q8_0_SIMD,
+    q8_0_lanes_operands,
+)
 from ds4ref.matvec import (
     MatvecError,
     float_input,
@@ -39,13 +46,23 @@ def _rows(w, ggml_type: int) -> np.ndarray:
 
 
 def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
-    """As ds4ref.matvec.matvec_q8_0_prequant, by q8_0_kernel.
+    """As ds4ref.matvec.matvec_q8_0_prequant, by Q8_0_SIMD's VNNI kernels where the CPU
+    has them (16-token lanes from Q8_0_LANES_MIN_T tokens on), else q8_0_kernel.
     Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
     raw = _rows(w, Q8_0)
     (xq, xd), lead = q8_0_fields(a, row_elements(raw, Q8_0))
-    out = _out(len(xq), raw.shape[0])
-    run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=raw.shape[0])
-    return out.reshape(lead + (raw.shape[0],))
+    T, rows = len(xq), raw.shape[0]
+    out = _out(T, rows)
+    if Q8_0_SIMD is None:
+        run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=rows)
+    elif T >= Q8_0_LANES_MIN_T:  # the activation repacked once, 16 tokens per vector
+        xu, xd16 = q8_0_lanes_operands(xq, xd)
+        run_kernel(Q8_0_SIMD[1], raw, xu, xd16, T, F16_TO_F32, out, rows=rows)
+    else:  # one token at a time, with the 128 sum x corrections computed once
+        xq, xd = np.ascontiguousarray(xq), np.ascontiguousarray(xd)
+        xc = 128 * xq.reshape(T, -1, 32).sum(-1, dtype=np.int32)
+        run_kernel(Q8_0_SIMD[0], raw, xq, xd, xc, F16_TO_F32, out, rows=rows)
+    return out.reshape(lead + (rows,))
 
 
 def numba_matvec_f16(w, x) -> np.ndarray:

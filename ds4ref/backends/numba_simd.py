@@ -164,10 +164,11 @@ def q2_K_avx512_kernel(w, yq, yd, ybs, lut, out):
 
 
 def host_simd() -> frozenset:
-    """The byte-dot instruction sets ("avx2", "avx512bw") that the numba kernels may use
-    on this CPU, from llvmlite's host features; none where numba compiles for another
-    target (NUMBA_CPU_NAME set: a generic target may lack them) or the features cannot
-    be read. The one CPU probe of ds4ref (chapter 9's fused kernels use it too).
+    """The byte-dot instruction sets ("avx2", "avx512bw", "avx512vnni" with AVX-512VL)
+    that the numba kernels may use on this CPU, from llvmlite's host features; none
+    where numba compiles for another target (NUMBA_CPU_NAME set: a generic target may
+    lack them) or the features cannot be read. The one CPU probe of ds4ref (chapter
+    9's fused kernels use it too).
     Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1772) (which picks its NEON path at compile
     time)"""
     if config.CPU_NAME not in (None, "host"):
@@ -176,7 +177,10 @@ def host_simd() -> frozenset:
         features = _llvm_binding.get_host_cpu_features()
     except RuntimeError:  # llvmlite cannot read the features on some hosts
         return frozenset()
-    return frozenset(f for f in ("avx2", "avx512bw") if features.get(f, False))
+    have = {f for f in ("avx2", "avx512bw", "avx512vnni") if features.get(f, False)}
+    if not features.get("avx512vl", False):  # the VNNI decode dot is 256 bits wide
+        have.discard("avx512vnni")
+    return frozenset(have)
 
 
 def simd_kernels(table) -> list:
@@ -318,3 +322,227 @@ def iq2_xxs_pair_avx2_kernel(wg, wu, yq, yd, grid, masks, lut, out_g, out_u):
 IQ2_XXS_BYTE_DOT = ((iq2_xxs_pair_avx2_kernel, "avx2"),)
 # the numba matvec's choice; None: iq2_xxs_pair_kernel
 IQ2_XXS_SIMD = (simd_kernels(IQ2_XXS_BYTE_DOT) or [None])[0]
+
+
+i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+vec = ir.VectorType
+
+
+def _addr(builder, addr, offset, t):
+    """A t* to byte address addr + offset (an intp value, a constant)."""
+    return builder.inttoptr(builder.add(addr, ir.Constant(i64, offset)), t.as_pointer())
+
+
+def _splat(builder, v, t, count):
+    """The scalar v of type t in every lane of a `count`-lane vector."""
+    one = builder.insert_element(
+        ir.Constant(vec(t, count), None), v, ir.Constant(i32, 0)
+    )
+    return builder.shuffle_vector(one, one, ir.Constant(vec(i32, count), [0] * count))
+
+
+def _q8_0_dot4_intrinsic():
+    """An intrinsic (w_addr, w_step, x_addr, x_step) -> 4 int32: sum_i (w_i + 128) x_i
+    over the 32 int8 pairs at w_addr + k w_step and x_addr + k x_step, k = 0..3 (the
+    caller subtracts 128 sum x); one 256-bit vpdpbusd (AVX-512 VNNI + VL) each, the
+    four lane sets reduced together by a vphaddd tree.
+    Mirrors ds4.c: dot_q8_0_row (l. 2958, its vdotq_s32 path)"""
+
+    def codegen(context, builder, sig, args):
+        w, w_step, x, x_step = args
+        mod = builder.module
+        v8 = vec(i32, 8)
+        dpbusd = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(v8, [v8] * 3), "llvm.x86.avx512.vpdpbusd.256"
+        )
+        hadd = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(v8, [v8] * 2), "llvm.x86.avx2.phadd.d"
+        )
+        flip = ir.Constant(v8, [-0x7F7F7F80] * 8)  # 0x80808080: w + 128 as unsigned
+        sums = []
+        for k in range(4):
+            at = ir.Constant(i64, k)
+            wk = builder.load(_addr(builder, builder.add(w, builder.mul(w_step, at)),
+                                    0, v8), align=1)
+            xk = builder.load(_addr(builder, builder.add(x, builder.mul(x_step, at)),
+                                    0, v8), align=1)
+            sums.append(builder.call(
+                dpbusd, [ir.Constant(v8, [0] * 8), builder.xor(wk, flip), xk]
+            ))
+        # [a01 a23 b01 b23 | a45 a67 b45 b67], then [a b c d | a b c d] partial sums
+        abcd = builder.call(hadd, [builder.call(hadd, sums[:2]),
+                                   builder.call(hadd, sums[2:])])
+        half = [builder.shuffle_vector(abcd, abcd, ir.Constant(vec(i32, 4), list(ks)))
+                for ks in (range(4), range(4, 8))]
+        s = builder.add(*half)
+        return context.make_tuple(builder, sig.return_type, [
+            builder.extract_element(s, ir.Constant(i32, k)) for k in range(4)
+        ])
+
+    def typer(typingctx, w_addr, w_step, x_addr, x_step):
+        return types.UniTuple(types.int32, 4)(
+            types.intp, types.intp, types.intp, types.intp
+        ), codegen
+    typer.__name__ = typer.__qualname__ = "_q8_0_dot4_256"
+    return intrinsic(typer)
+
+
+def _block_sum_intrinsic():
+    """An intrinsic w_addr -> int32: the sum of the 32 int8 at w_addr.
+    Mirrors ds4.c: nothing (the lanes kernel's correction, 128 sum w)"""
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_addr(builder, args[0], 0, vec(i8, 32)), align=1)
+        add = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i32, [vec(i32, 32)]),
+            "llvm.vector.reduce.add.v32i32",
+        )
+        return builder.call(add, [builder.sext(v, vec(i32, 32))])
+
+    def typer(typingctx, w_addr):
+        return types.int32(types.intp), codegen
+    typer.__name__ = typer.__qualname__ = "_block_sum_32"
+    return intrinsic(typer)
+
+
+def _q8_0_lanes_intrinsic():
+    """An intrinsic for one block of two rows against 16 tokens: (w0, w1, c0, c1, d0,
+    d1, xu, xd, acc0, acc1) -> None, acc_k[l] += (d_k xd[l]) float(s_kl) for l < 16,
+    where s_kl = sum_i w_k,i (x_l,i + 128) - c_k is row k's exact block dot with token l
+    (c_k = 128 sum_i w_k,i); w0, w1: the 32 weight bytes; xu: the block's 512 repacked
+    activation bytes (q8_0_lanes_operands); xd: 16 float32 scales; acc0, acc1: 16
+    float32 each. One 512-bit vpdpbusd per 4 weight bytes (broadcast), AVX-512 VNNI.
+    Mirrors ds4.c: dot_q8_0_row (l. 2958, its vdotq_s32 path)"""
+
+    def codegen(context, builder, sig, args):
+        w0, w1, c0, c1, d0, d1, xu, xd, acc0, acc1 = args
+        v16, fv16 = vec(i32, 16), vec(f32, 16)
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16, [v16] * 3),
+            "llvm.x86.avx512.vpdpbusd.512",
+        )
+        # group g: bytes 4g..4g+3 of the block for each of the 16 tokens
+        xg = [builder.load(_addr(builder, xu, 64 * g, v16), align=1) for g in range(8)]
+        xdv = builder.load(_addr(builder, xd, 0, fv16), align=1)
+        for w, c, d, acc in ((w0, c0, d0, acc0), (w1, c1, d1, acc1)):
+            s = ir.Constant(v16, [0] * 16)
+            for g in range(8):
+                wg = builder.load(_addr(builder, w, 4 * g, i32), align=1)
+                s = builder.call(dpbusd, [s, xg[g], _splat(builder, wg, i32, 16)])
+            s = builder.sub(s, _splat(builder, c, i32, 16))
+            # as q8_0_kernel: (f16(d_w) * d_x) * float(s), then acc + that
+            term = builder.fmul(builder.fmul(_splat(builder, d, f32, 16), xdv),
+                                builder.sitofp(s, fv16))
+            p = _addr(builder, acc, 0, fv16)
+            builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
+        return context.get_dummy_value()
+
+    def typer(typingctx, w0, w1, c0, c1, d0, d1, xu, xd, acc0, acc1):
+        a = types.intp
+        return types.void(
+            a, a, types.int32, types.int32, types.float32, types.float32, a, a, a, a
+        ), codegen
+    typer.__name__ = typer.__qualname__ = "_q8_0_lanes_512"
+    return intrinsic(typer)
+
+
+_q8_0_dot4_vnni = _q8_0_dot4_intrinsic()
+_block_sum_32 = _block_sum_intrinsic()
+_q8_0_lanes_vnni = _q8_0_lanes_intrinsic()
+# lanes of the prefill kernel: tokens per 512-bit register
+Q8_0_LANES = 16
+# from this many tokens on, the numba matvec takes the lanes kernel (fewer: the
+# one-token kernel per token); see tools/q8_0_ab.py
+Q8_0_LANES_MIN_T = 4
+
+
+def q8_0_lanes_operands(xq: np.ndarray, xd: np.ndarray):
+    """The activation of a Q8_0 matvec repacked for q8_0_vnni_lanes_kernel: xq int8
+    [T, n], xd float32 [T, n/32] -> (xu uint8 [tiles, n/32, 8, 16, 4], xd16 float32
+    [tiles, n/32, 16]), tiles = ceil(T / 16); xu holds x + 128, token l of a tile in
+    lane l, bytes 4g..4g+3 of block b at [tile, b, g, l]; padding tokens are x = 0.
+    Mirrors ds4.c: nothing (ds4.c dots one token at a time)"""
+    T, n = xq.shape
+    nb, tiles = n // 32, -(-T // Q8_0_LANES)
+    xp = np.full((tiles * Q8_0_LANES, n), 0x80, np.uint8)
+    xp[:T] = xq.view(np.uint8) ^ np.uint8(0x80)
+    xu = xp.view(np.uint32).reshape(tiles, Q8_0_LANES, nb, 8).transpose(0, 2, 3, 1)
+    dp = np.zeros((tiles * Q8_0_LANES, nb), np.float32)
+    dp[:T] = xd
+    xd16 = dp.reshape(tiles, Q8_0_LANES, nb).transpose(0, 2, 1)
+    xu = np.ascontiguousarray(xu).view(np.uint8).reshape(tiles, nb, 8, Q8_0_LANES, 4)
+    return xu, np.ascontiguousarray(xd16)
+
+
+@njit(inline="always")
+def _q8_0_row_vnni(w, r, xq, xd, xc, t, lut):
+    """Row r of w against token t (xc int32 [T, n/32]: 128 x's block sums), four blocks
+    per VNNI call; the float sum in block order as in q8_0_kernel."""
+    nb = w.shape[1] // 34
+    wr = w.ctypes.data + r * w.strides[0] + 2  # block b's int8 at wr + 34 b
+    xr = xq.ctypes.data + t * xq.strides[0]
+    acc = np.float32(0.0)
+    b = 0
+    while b + 4 <= nb:
+        s0, s1, s2, s3 = _q8_0_dot4_vnni(wr + 34 * b, 34, xr + 32 * b, 32)
+        s0, s1 = np.int32(s0 - xc[t, b]), np.int32(s1 - xc[t, b + 1])
+        s2, s3 = np.int32(s2 - xc[t, b + 2]), np.int32(s3 - xc[t, b + 3])
+        acc += (_f16(lut, w, r, 34 * b) * xd[t, b]) * np.float32(s0)
+        acc += (_f16(lut, w, r, 34 * b + 34) * xd[t, b + 1]) * np.float32(s1)
+        acc += (_f16(lut, w, r, 34 * b + 68) * xd[t, b + 2]) * np.float32(s2)
+        acc += (_f16(lut, w, r, 34 * b + 102) * xd[t, b + 3]) * np.float32(s3)
+        b += 4
+    while b < nb:  # the last nb % 4 blocks: steps 0, one block four times
+        s = _q8_0_dot4_vnni(wr + 34 * b, 0, xr + 32 * b, 0)[0]
+        acc += (_f16(lut, w, r, 34 * b) * xd[t, b]) * np.float32(np.int32(s - xc[t, b]))
+        b += 1
+    return acc
+
+
+# Twins of q8_0_kernel, for the reason given at q2_K_avx2_kernel: numba caches no kernel
+# that takes its block function as an argument, and LLVM compiles a VNNI intrinsic only
+# for a CPU that has it, so the portable kernel cannot hold a branch to these.
+@njit(parallel=True, cache=True)
+def q8_0_vnni_kernel(w, xq, xd, xc, lut, out):
+    """As q8_0_kernel (xc int32 [T, n/32] = 128 x's block sums; xq's rows contiguous),
+    the block dots by AVX-512 VNNI, four blocks of a row at once.
+    Mirrors ds4.c: dot_q8_0_row (l. 2958)"""
+    for r in prange(w.shape[0]):
+        for t in range(xq.shape[0]):
+            out[t, r] = _q8_0_row_vnni(w, r, xq, xd, xc, t, lut)
+
+
+@njit(parallel=True, cache=True)
+def q8_0_vnni_lanes_kernel(w, xu, xd16, n_tok, lut, out):
+    """As q8_0_kernel on the repacked activation (xu, xd16 = q8_0_lanes_operands; n_tok
+    its tokens): two rows at a time, 16 tokens per vector, the block dots by AVX-512
+    VNNI; out[t, r] = sum_b (f16(d_rb) xd[t, b]) dot_rbt in block order for t < n_tok.
+    Mirrors ds4.c: dot_q8_0_row (l. 2958)"""
+    rows, nb, tiles = w.shape[0], w.shape[1] // 34, xu.shape[0]
+    for pair in prange((rows + 1) // 2):
+        r0 = 2 * pair
+        r1 = min(r0 + 1, rows - 1)  # an odd last row: computed twice, stored once
+        acc = np.zeros((2, tiles * 16), np.float32)
+        w0 = w.ctypes.data + r0 * w.strides[0] + 2
+        w1 = w.ctypes.data + r1 * w.strides[0] + 2
+        for b in range(nb):
+            c0 = np.int32(128) * _block_sum_32(w0 + 34 * b)
+            c1 = np.int32(128) * _block_sum_32(w1 + 34 * b)
+            d0, d1 = _f16(lut, w, r0, 34 * b), _f16(lut, w, r1, 34 * b)
+            for k in range(tiles):
+                _q8_0_lanes_vnni(
+                    w0 + 34 * b, w1 + 34 * b, c0, c1, d0, d1,
+                    xu.ctypes.data + (k * nb + b) * 512,
+                    xd16.ctypes.data + (k * nb + b) * 64,
+                    acc.ctypes.data + 64 * k,
+                    acc.ctypes.data + 64 * (tiles + k),
+                )
+        for t in range(n_tok):
+            out[t, r0] = acc[0, t]
+            out[t, r1] = acc[1, t]
+
+
+# the VNNI Q8_0 kernels (one token at a time, 16-token lanes)
+Q8_0_BYTE_DOT = (((q8_0_vnni_kernel, q8_0_vnni_lanes_kernel), "avx512vnni"),)
+# the numba matvec's choice; None: q8_0_kernel
+Q8_0_SIMD = (simd_kernels(Q8_0_BYTE_DOT) or [None])[0]
