@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a session that is lent a CUDA machine (see DEVELOPERS.md, "the device").
-# Runs chapter 09's GPU tests (pytest -m gpu: the op-by-op CupyBackend and the resident CupyEngine) and the CUDA benchmarks; everything it writes lands in $OUT
+# Runs chapter 09's GPU tests (pytest -m gpu: the op-by-op CupyBackend and the resident engine, Engine.open(..., resident=True)) and the CUDA benchmarks; everything it writes lands in $OUT
 # (default: ./gpu_out): gpu_check.log, gpu_tests.log, cuda_bench.json, engine_bench_gpu.json.
 # Budget: about 3-5 minutes on an H200 (the first NVRTC and numba compiles take most of it); the three steps
 # are capped at 240 + 120 + 150 s, so a run never outlasts a device call of timeout_s 540.
