@@ -242,7 +242,20 @@ def machine_description() -> dict:
                 desc[pkg] = version({"mlx": "mlx", "cupy": _cupy_dist()}.get(pkg, pkg))
             except Exception:
                 desc[pkg] = "installed"
+    desc.update(_simd_description())
     return desc
+
+
+def _simd_description() -> dict:
+    """The CPU as LLVM names it and the SIMD sets numba's kernels use on it (appendix
+    D's host_simd): two "AMD EPYC" machines can differ by AVX-512. Empty without numba.
+
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    if importlib.util.find_spec("numba") is None:
+        return {}
+    from llvmlite import binding
+    from ds4ref.backends.numba_simd import host_simd
+    return {"llvm_cpu": binding.get_host_cpu_name(), "simd": sorted(host_simd())}
 
 
 def _cupy_dist() -> str:
