@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
+        "--resident",
+        action="store_true",
+        help=(
+            "decode on the backend's device forward (mlx, cupy): weights, cache "
+            "and HC state stay on the device; no MTP or steering"
+        ),
+    )
+    p.add_argument(
         "--summary", action="store_true", help="print the model summary and exit"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -124,6 +132,8 @@ def main(argv=None) -> int:
         eng = Engine.open(
             args.model,
             backend=args.backend,
+            resident=args.resident,
+            ctx_size=args.ctx,
             mtp_path=args.mtp,
             mtp_draft_tokens=args.mtp_draft,
             mtp_margin=args.mtp_margin,

@@ -187,3 +187,25 @@ def test_resident_refuses_what_it_does_not_do(engine):
         s.sync([1, 2])
     with pytest.raises(SessionError, match="ctx_size"):
         engine.session(4096)
+
+
+def test_cli_resident_decodes_on_the_device(oracle_gguf, capsys):
+    """`python -m ds4ref --backend mlx --resident` greedy-decodes the same text as numpy
+    (every step's top-2 margin checked first, so equal text is the claim), and a backend
+    without a device forward is refused with a message, exit status 2."""
+    from ds4ref.__main__ import main
+    args = ["-m", str(oracle_gguf), "-p", "hi", "-n", "3", "--temp", "0", "--no-progress",
+            "-c", "64"]
+    eng = Engine.open(oracle_gguf, "numpy")
+    s, tok = eng.session(64), eng.tokenizer
+    s.sync(tok.chat_prompt("hi", "You are a helpful assistant", "high"))
+    for _ in range(3):
+        top2 = np.sort(np.asarray(s.logits, np.float64))[-2:]
+        assert top2[1] - top2[0] > 1e-3
+        s.eval(s.argmax())
+    assert main(args + ["--backend", "numpy"]) == 0
+    ref = capsys.readouterr().out
+    assert main(args + ["--backend", "mlx", "--resident"]) == 0
+    assert capsys.readouterr().out == ref and len(ref) > 1
+    assert main(args + ["--backend", "numba", "--resident"]) == 2
+    assert "no device forward" in capsys.readouterr().err
