@@ -287,3 +287,111 @@ def test_q8_0_backend_uses_either_path_with_the_same_bits(monkeypatch):
     assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, batched), matvec_q8_0_prequant(raw, batched))
     monkeypatch.setattr(nm, "Q8_0_SIMD", None)
     assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
+
+
+# IQ2_XXS in lanes (appendix D, D.3c): each row decoded once, 8 (AVX2) or 16 (AVX-512) tokens per vector,
+# against the portable iq2_xxs_pair_kernel
+import ds4ref.backends.numba_iq2 as ni  # noqa: E402
+
+HAVE = ns.host_simd()
+LANES_CASES = [pytest.param(kernel, lanes, marks=pytest.mark.skipif(
+    need not in HAVE, reason=f"this CPU (or NUMBA_CPU_NAME) lacks {need}: {kernel.__name__} cannot run here"),
+    id=kernel.__name__) for (kernel, lanes), need in ni.IQ2_XXS_LANES_BYTE_DOT]
+
+
+def iq2_lanes(kernel, lanes, wg, wu, qs, d):
+    g, u = (np.full((len(qs), wg.shape[0]), np.nan, np.float32) for _ in range(2))
+    xu, ydl = ni.iq2_xxs_lanes_operands(np.ascontiguousarray(qs), d, lanes)
+    nk.run_kernel(kernel, wg, wu, xu, ydl, len(qs), nk.IQ2XXS_GRID, ns.IQ2XXS_SIGN_MASKS, nk.F16_TO_F32, g, u)
+    return g, u
+
+
+def test_iq2_lanes_operands_layout():
+    """xu[tile, b, j, l] = bytes 4j..4j+3 of block b of token 16 tile + l, plus 128; padding tokens y = 0, d = 0."""
+    rng = np.random.default_rng(21)
+    qs = rng.integers(-128, 128, (19, 512), dtype=np.int8)
+    d = rng.uniform(0.1, 1, (19, 2)).astype(np.float32)
+    for lanes in (8, 16):
+        xu, ydl = ni.iq2_xxs_lanes_operands(qs, d, lanes)
+        tiles = -(-19 // lanes)
+        assert xu.shape == (tiles, 2, 64, lanes, 4) and xu.dtype == np.uint8 and ydl.shape == (tiles, 2, lanes)
+        for t, b, j in ((0, 0, 0), (18, 1, 63), (lanes + 1, 1, 5), (7, 0, 31)):
+            assert np.array_equal(xu[t // lanes, b, j, t % lanes].astype(np.int64),
+                                  qs[t, 256 * b + 4 * j:256 * b + 4 * j + 4].astype(np.int64) + 128)
+            assert ydl[t // lanes, b, t % lanes] == d[t, b]
+        pad = xu.transpose(0, 3, 1, 2, 4).reshape(tiles * lanes, -1)[19:]
+        assert (pad == 128).all() and (ydl.transpose(0, 2, 1).reshape(tiles * lanes, -1)[19:] == 0).all()
+
+
+@pytest.mark.parametrize("kernel, lanes", LANES_CASES)
+@pytest.mark.parametrize("T", [1, 5, 8, 16, 17, 40])
+def test_iq2_lanes_equals_plain_kernel_on_extreme_blocks(kernel, lanes, T):
+    """80% of the up rows' index/sign/scale bytes 0xFF (scale 15, sign row 127), activations mostly -128 or 127
+    (the largest lanes, (y + 128) up to 255): the same float32 bits as iq2_xxs_pair_kernel, for tiles filled in
+    full and in part."""
+    rng = np.random.default_rng(100 + T)
+    wg, wu = iq2_xxs_rows(rng, 45, 2048), iq2_xxs_rows(rng, 45, 2048)
+    blocks = wu.reshape(45, -1, 66)
+    blocks[..., 2:] = np.where(rng.random(blocks[..., 2:].shape) < 0.8, np.uint8(0xFF), blocks[..., 2:])
+    qs = np.where(rng.random((T, 2048)) < 0.7, rng.choice(np.int8([-128, 127]), (T, 2048)),
+                  rng.integers(-128, 128, (T, 2048), dtype=np.int8)).astype(np.int8)
+    d = rng.uniform(0.001, 1, (T, 8)).astype(np.float32)
+    want = (np.empty((T, 45), np.float32), np.empty((T, 45), np.float32))
+    nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs, d, nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS, nk.F16_TO_F32, *want)
+    got = iq2_lanes(kernel, lanes, wg, wu, qs, d)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert np.isfinite(want[0]).all() and np.abs(want[1]).max() > 0
+
+
+@pytest.mark.parametrize("kernel, lanes", LANES_CASES)
+def test_iq2_lanes_equals_plain_kernel_on_ds4_experts(kernel, lanes, model, ops_A):
+    """The real expert gate/up weights against ds4's recorded Q8_K activations, every recorded position of a
+    layer as one batch (and the first alone): the same float32 bits as iq2_xxs_pair_kernel."""
+    _, w = model
+    positions = [int(p) for p in ops_A["positions"]]
+    assert len(positions) > 1
+    for il in range(6):
+        keys = [f"L{il}.P{p}.q8k.ffn_gate_up_exps" for p in positions]
+        qs = np.stack([ops_A[k + ".qs"].reshape(-1) for k in keys])
+        d = np.stack([ops_A[k + ".d"].reshape(-1) for k in keys]).astype(np.float32)
+        e = int(ops_A[f"L{il}.P{positions[0]}.exp_ids"][0])
+        wg = np.ascontiguousarray(weight_rows(w.layers[il].ffn_gate_exps.expert(e), IQ2_XXS))
+        wu = np.ascontiguousarray(weight_rows(w.layers[il].ffn_up_exps.expert(e), IQ2_XXS))
+        for n in (1, len(qs)):
+            want = (np.empty((n, wg.shape[0]), np.float32), np.empty((n, wg.shape[0]), np.float32))
+            nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs[:n], d[:n], nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS,
+                          nk.F16_TO_F32, *want)
+            got = iq2_lanes(kernel, lanes, wg, wu, qs[:n], d[:n])
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (il, n)
+
+
+def test_iq2_backend_batches_take_the_lanes_kernel_with_the_same_bits(monkeypatch):
+    """NumbaBackend's IQ2_XXS pair at T >= IQ2_XXS_LANES_MIN_T (a -128 code included: fine in lanes) equals numpy;
+    the lanes kernel is the one called where the CPU has one, and forced off the result is the same."""
+    rng = np.random.default_rng(6)
+    wg, wu = iq2_xxs_rows(rng, 600, 1024), iq2_xxs_rows(rng, 600, 1024)
+    T = max(ni.IQ2_XXS_LANES_MIN_T, 1) + 13
+    a = quantize_q8_K(rng.standard_normal((T, 1024)).astype(np.float32))
+    a.qs[3, 7] = -128
+    want = NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
+    called = []
+    real_run = nm.run_kernel
+    monkeypatch.setattr(nm, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
+    got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert called == [nm.IQ2_XXS_LANES[0] if nm.IQ2_XXS_LANES is not None else nk.iq2_xxs_pair_kernel]
+    monkeypatch.setattr(nm, "IQ2_XXS_LANES", None)
+    got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert called[-1] is nk.iq2_xxs_pair_kernel                    # the -128 code: not the one-token byte path
+
+
+def test_iq2_lanes_follow_the_host_features(monkeypatch):
+    order = [need for _, need in ni.IQ2_XXS_LANES_BYTE_DOT]
+    assert order == ["avx512vnni", "avx512bw", "avx2"]              # widest first
+    first = next((k for k, need in ni.IQ2_XXS_LANES_BYTE_DOT if need in HAVE), None)
+    assert ni.IQ2_XXS_LANES == first and nm.IQ2_XXS_LANES == first
+    if first is not None:
+        assert first[1] == (16 if first[0] is not ni.iq2_xxs_pair_lanes_avx2_kernel else 8)
+    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    assert ns.simd_kernels(ni.IQ2_XXS_LANES_BYTE_DOT) == []

@@ -17,6 +17,11 @@ from ds4ref.backends.numba_kernels import (
     q8_0_kernel,
     run_kernel,
 )
+from ds4ref.backends.numba_iq2 import (
+    IQ2_XXS_LANES,
+    IQ2_XXS_LANES_MIN_T,
+    iq2_xxs_lanes_operands,
+)
 from ds4ref.backends.numba_simd import (
     IQ2_XXS_SIMD,
     IQ2XXS_SIGN_MASKS,
@@ -131,8 +136,9 @@ def numba_matvec_q4_K_q8_K(w, a) -> np.ndarray:
 
 
 def numba_matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
-    """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K, by IQ2_XXS_SIMD where the CPU has
-    byte dot products, else iq2_xxs_pair_kernel.
+    """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K: from IQ2_XXS_LANES_MIN_T tokens on by
+    the lanes kernel IQ2_XXS_LANES where the CPU has one, else by IQ2_XXS_SIMD where
+    the CPU has byte dot products, else iq2_xxs_pair_kernel.
 
     Mirrors ds4.c: matvec_iq2_xxs_pair_worker (l. 3836)"""
     g_raw, u_raw = _rows(w_gate, IQ2_XXS), _rows(w_up, IQ2_XXS)
@@ -141,9 +147,16 @@ def numba_matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
             f"IQ2_XXS pair: gate {g_raw.shape} and up {u_raw.shape} do not match"
         )
     (yq, yd, _), lead = q8_K_fields(a, row_elements(g_raw, IQ2_XXS))
-    g, u = _out(len(yq), g_raw.shape[0]), _out(len(yq), g_raw.shape[0])
-    # the byte path negates int8 activations
-    if IQ2_XXS_SIMD is not None and not (yq == -128).any():
+    T, rows = len(yq), g_raw.shape[0]
+    g, u = _out(T, rows), _out(T, rows)
+    if IQ2_XXS_LANES is not None and T >= IQ2_XXS_LANES_MIN_T:
+        # each row decoded once, the activation repacked once: 8 or 16 tokens per vector
+        kernel, lanes = IQ2_XXS_LANES
+        xu, ydl = iq2_xxs_lanes_operands(np.ascontiguousarray(yq), yd, lanes)
+        run_kernel(kernel, g_raw, u_raw, xu, ydl, T, IQ2XXS_GRID, IQ2XXS_SIGN_MASKS,
+                   F16_TO_F32, g, u, rows=rows)
+    # the one-token byte path negates int8 activations
+    elif IQ2_XXS_SIMD is not None and not (yq == -128).any():
         run_kernel(
             IQ2_XXS_SIMD,
             g_raw,

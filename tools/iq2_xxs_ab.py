@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""The IQ2_XXS gate/up pair kernels side by side, in one process: portable, AVX2 one-token, lanes.
+
+Every row is one (threads, tokens) case on the wide model's routed-expert shape (gate and up
+[n_ff_exp = 2048 rows x n_embd = 4096], one expert); each round times every variant of the row once, in
+turn, so that a noisy moment of the machine touches them all. Variants (all through
+`numba_matvec_iq2_xxs_pair_q8_K`, so the lanes rows include the activation repack):
+
+  portable  iq2_xxs_pair_kernel (IQ2_XXS_SIMD and IQ2_XXS_LANES forced to None)
+  one-tok   IQ2_XXS_SIMD (AVX2 byte dots, each row decoded again for every token) for every T
+  lanes     IQ2_XXS_LANES (each row decoded once, 8 or 16 tokens per vector) for every T
+  own       the matvec's own choice (IQ2_XXS_LANES_MIN_T decides one-token vs lanes)
+
+Each timing cycles through copies of the weights (--stream-mb) so that they stream from memory, as in
+a model. Prints min time per variant and the median over rounds of the paired ratio variant / portable
+(and lanes / one-tok). Not a test and writes no file.
+
+    python tools/iq2_xxs_ab.py                              # T = 1, 16, 128; 2 and 1 threads
+    python tools/iq2_xxs_ab.py --tokens 1,2,3,4,6,8 --no-portable
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROWS, N = 2048, 4096  # ModelConfig.real(): n_ff_exp x n_embd of ffn_gate_exps / ffn_up_exps
+
+
+def iq2_xxs_weight(rng, rows: int, n: int) -> np.ndarray:
+    """Random IQ2_XXS rows (uint8 [rows, n/256 * 66]) with finite f16 d."""
+    raw = rng.integers(0, 256, (rows, n // 256 * 66), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, 66)
+    blocks[..., :2] = rng.uniform(-0.02, 0.02, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", default="2,1")
+    ap.add_argument("--tokens", default="1,16,128")
+    ap.add_argument("--no-portable", action="store_true", help="skip the (slow) portable kernel")
+    ap.add_argument("--min-seconds", type=float, default=0.05, help="per timing (repeats the call)")
+    ap.add_argument("--stream-mb", type=float, default=256,
+                    help="copies of the weights, used in turn, of this many MB in all, so that they come "
+                         "from memory as in a model, not from the L3 cache")
+    args = ap.parse_args(argv)
+
+    import numba
+    import ds4ref.backends.numba_matvec as nm
+    from ds4ref.matvec import matvec_iq2_xxs_pair_q8_K
+    from ds4ref.quant import Q8KAct
+
+    if nm.IQ2_XXS_SIMD is None or nm.IQ2_XXS_LANES is None:
+        sys.exit("this CPU (or NUMBA_CPU_NAME) has no AVX2: nothing to compare")
+    own = (nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T)
+    variants = {"portable": (None, None, 1 << 30), "one-tok": (own[0], None, 1 << 30),
+                "lanes": (own[0], own[1], 1), "own": own}
+    if args.no_portable:
+        del variants["portable"]
+    base = next(iter(variants))
+    lanes_kernel = own[1][0].__name__
+    print(f"lanes kernel: {lanes_kernel} ({own[1][1]} tokens per vector), "
+          f"IQ2_XXS_LANES_MIN_T = {own[2]}")
+
+    def call(variant, w, a):
+        nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T = variants[variant]
+        return nm.numba_matvec_iq2_xxs_pair_q8_K(w[0], w[1], a)
+
+    rng = np.random.default_rng(0)
+    w = (iq2_xxs_weight(rng, ROWS, N), iq2_xxs_weight(rng, ROWS, N))
+    pair_bytes = w[0].nbytes + w[1].nbytes
+    copies = [w] + [(w[0].copy(), w[1].copy()) for _ in range(int(args.stream_mb * 2**20 // pair_bytes))]
+    try:
+        for threads in [int(t) for t in args.threads.split(",")]:
+            numba.set_num_threads(threads)
+            for T in [int(t) for t in args.tokens.split(",")]:
+                qs = rng.integers(-127, 128, (T, N), dtype=np.int8)
+                a = Q8KAct(qs, rng.uniform(0.001, 1, (T, N // 256)).astype(np.float32),
+                           qs.reshape(T, -1, 16).astype(np.int32).sum(-1).astype(np.int16))
+                want = matvec_iq2_xxs_pair_q8_K(w[0], w[1], a) if T <= 16 else None
+                reps = {}
+                for v in variants:  # compile, check the bits, size the repeats
+                    got = call(v, w, a)
+                    if want is not None:
+                        assert all(np.array_equal(g, e) for g, e in zip(got, want)), (v, T)
+                    t0 = time.perf_counter()
+                    call(v, w, a)
+                    reps[v] = max(1, int(args.min_seconds / max(time.perf_counter() - t0, 1e-6)))
+                times = {v: [] for v in variants}
+                for _ in range(args.rounds):
+                    for v in variants:
+                        t0 = time.perf_counter()
+                        for i in range(reps[v]):
+                            call(v, copies[i % len(copies)], a)
+                        times[v].append((time.perf_counter() - t0) / reps[v])
+                ratios = {f"{v}/{base}": statistics.median(t / p for t, p in zip(times[v], times[base]))
+                          for v in variants if v != base}
+                if base != "one-tok":
+                    ratios["lanes/one-tok"] = statistics.median(
+                        t / p for t, p in zip(times["lanes"], times["one-tok"]))
+                best = {v: min(t) for v, t in times.items()}
+                ms = "  ".join(f"{v} {t * 1e3:9.3f}" for v, t in best.items())
+                rs = "  ".join(f"{k} {r:.3f}" for k, r in ratios.items())
+                print(f"{threads}t  T={T:<4d} ms: {ms}   {rs}", flush=True)
+    finally:
+        nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T = own
+    print("\nmin ms per call; ratio = median over rounds of (variant / reference), < 1: faster")
+
+
+if __name__ == "__main__":
+    main()
