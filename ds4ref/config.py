@@ -6,72 +6,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ds4ref.config_keys import (  # noqa: F401
+    ARCH, F32_KEYS, QK_K, ROPE_ORIG_CTX, SWIGLU_CLAMP, U32_KEYS, expect_f32,
+    layer_compress_ratio,
+)
 from ds4ref.gguf import GGUFError, GGUFValueType as V
-
-ARCH = "deepseek4"
-
-# ModelConfig field -> metadata key (after "deepseek4."), all UINT32 in ds4.c's
-# config_validate_model
-U32_KEYS = {
-    "n_layer": "block_count",
-    "n_embd": "embedding_length",
-    "n_vocab": "vocab_size",
-    "n_head": "attention.head_count",
-    "n_head_kv": "attention.head_count_kv",
-    "head_dim": "attention.key_length",
-    "value_dim": "attention.value_length",
-    "n_rot": "rope.dimension_count",
-    "n_lora_q": "attention.q_lora_rank",
-    "n_lora_o": "attention.output_lora_rank",
-    "n_out_group": "attention.output_group_count",
-    "n_expert": "expert_count",
-    "n_expert_used": "expert_used_count",
-    "n_ff_exp": "expert_feed_forward_length",
-    "n_expert_shared": "expert_shared_count",
-    "n_hash_layer": "hash_layer_count",
-    "n_swa": "attention.sliding_window",
-    "n_indexer_head": "attention.indexer.head_count",
-    "indexer_head_dim": "attention.indexer.key_length",
-    "indexer_top_k": "attention.indexer.top_k",
-    "n_hc": "hyper_connection.count",
-    "hc_sinkhorn_iter": "hyper_connection.sinkhorn_iterations",
-}
-# constants that are not shape: (key, ds4.c's value). Checked like config_expect_f32.
-F32_KEYS = {
-    "rope_freq_base": ("rope.freq_base", 10000.0),
-    "rope_scale_factor": ("rope.scaling.factor", 16.0),
-    "yarn_beta_fast": ("rope.scaling.yarn_beta_fast", 32.0),
-    "yarn_beta_slow": ("rope.scaling.yarn_beta_slow", 1.0),
-    "compress_rope_freq_base": ("attention.compress_rope_freq_base", 160000.0),
-    "expert_weights_scale": ("expert_weights_scale", 1.5),
-    "rms_eps": ("attention.layer_norm_rms_epsilon", 1e-6),
-    "hc_eps": ("hyper_connection.epsilon", 1e-6),
-}
-ROPE_ORIG_CTX = 65536     # DS4_ROPE_ORIG_CTX
-SWIGLU_CLAMP = 10.0       # DS4_SWIGLU_CLAMP_EXP
-QK_K = 256                # K-quant super-block: rows of routed experts are whole blocks
-
-
-def layer_compress_ratio(il: int) -> int:
-    """Attention compression of layer il: 0 for layers 0-1, then 4 (even) and 128 (odd).
-
-    Mirrors ds4.c: ds4_layer_compress_ratio (l. 411)"""
-    if il < 2:
-        return 0
-    return 4 if il % 2 == 0 else 128
-
-
-def expect_f32(name: str, got: float, expected: float) -> None:
-    """Accept got if |got - expected| <= 1e-6 * max(1, |expected|), in float32 as ds4.c
-    computes it.
-
-    Mirrors ds4.c: config_expect_f32 (l. 2543)"""
-    g, e = np.float32(got), np.float32(expected)
-    scale = max(np.float32(1.0), abs(e))
-    if not abs(g - e) <= scale * np.float32(1e-6):
-        raise GGUFError(
-            f"metadata key '{ARCH}.{name}': expected {float(e):.9g}, got {float(g):.9g}"
-        )
 
 
 @dataclass(frozen=True)

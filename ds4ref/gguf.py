@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4ref.ggml_types import GGML_BLOCK, GGMLType, type_nbytes  # noqa: F401
+
 
 class DS4RefError(Exception):
     """Base of every error ds4ref raises on purpose. Each subclass keeps a built-in
@@ -20,81 +22,6 @@ class DS4RefError(Exception):
 class GGUFError(DS4RefError, ValueError):
     """A GGUF file, or the DS4 model in it, is malformed; the message names the key or
     tensor."""
-
-
-class GGMLType(IntEnum):
-    """ggml tensor type ids as stored in a GGUF tensor directory.
-    Mirrors ds4.c: gguf_types (l. 856)"""
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q8_1 = 9
-    Q2_K = 10
-    Q3_K = 11
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    Q8_K = 15
-    IQ2_XXS = 16
-    IQ2_XS = 17
-    IQ3_XXS = 18
-    IQ1_S = 19
-    IQ4_NL = 20
-    IQ3_S = 21
-    IQ2_S = 22
-    IQ4_XS = 23
-    I8 = 24
-    I16 = 25
-    I32 = 26
-    I64 = 27
-    F64 = 28
-    IQ1_M = 29
-    BF16 = 30
-
-
-# (elements per block, bytes per block), ggml's block sizes as data.
-GGML_BLOCK = {
-    GGMLType.F32: (1, 4),
-    GGMLType.F16: (1, 2),
-    GGMLType.BF16: (1, 2),
-    GGMLType.I8: (1, 1),
-    GGMLType.I16: (1, 2),
-    GGMLType.I32: (1, 4),
-    GGMLType.I64: (1, 8),
-    GGMLType.F64: (1, 8),
-    GGMLType.Q4_0: (32, 18),
-    GGMLType.Q4_1: (32, 20),
-    GGMLType.Q5_0: (32, 22),
-    GGMLType.Q5_1: (32, 24),
-    GGMLType.Q8_0: (32, 34),
-    GGMLType.Q8_1: (32, 40),
-    GGMLType.IQ4_NL: (32, 18),
-    GGMLType.Q2_K: (256, 84),
-    GGMLType.Q3_K: (256, 110),
-    GGMLType.Q4_K: (256, 144),
-    GGMLType.Q5_K: (256, 176),
-    GGMLType.Q6_K: (256, 210),
-    GGMLType.Q8_K: (256, 292),
-    GGMLType.IQ2_XXS: (256, 66),
-    GGMLType.IQ2_XS: (256, 74),
-    GGMLType.IQ3_XXS: (256, 98),
-    GGMLType.IQ1_S: (256, 50),
-    GGMLType.IQ3_S: (256, 110),
-    GGMLType.IQ2_S: (256, 82),
-    GGMLType.IQ4_XS: (256, 136),
-    GGMLType.IQ1_M: (256, 56),
-}
-
-
-def type_nbytes(ggml_type: int, n_elements: int) -> int:
-    """Bytes that n_elements of ggml_type occupy (n_elements a whole number of blocks).
-    Mirrors ds4.c: tensor_nbytes (l. 1003)"""
-    per_block, block_bytes = GGML_BLOCK[GGMLType(ggml_type)]
-    return n_elements // per_block * block_bytes
 
 
 class GGUFValueType(IntEnum):

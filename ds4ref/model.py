@@ -10,7 +10,8 @@ import numpy as np
 
 from ds4ref.attention_layer import layer_attention_batch, layer_attention_one
 from ds4ref.backend import NUMPY
-from ds4ref.gguf import DS4RefError, GGMLType
+from ds4ref.ggml_types import GGMLType
+from ds4ref.gguf import DS4RefError
 from ds4ref.hc import (
     hc_from_plain_embedding,
     hc_mix,

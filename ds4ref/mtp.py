@@ -11,7 +11,8 @@ import numpy as np
 
 from ds4ref.attention_layer import layer_attention_batch, layer_attention_one
 from ds4ref.backend import NUMPY
-from ds4ref.gguf import GGMLType, GGUFError, GGUFFile
+from ds4ref.ggml_types import GGMLType
+from ds4ref.gguf import GGUFError, GGUFFile
 from ds4ref.hc import hc_from_plain_embedding
 from ds4ref.kvcache import LayerCache
 from ds4ref.model import (embed_token, forward_token_hc, output_logits,

@@ -4,54 +4,26 @@
 ds4_session."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
 
-from ds4ref.gguf import DS4RefError
 from ds4ref.kvcache import KVCache, kv_cache_bytes
 from ds4ref.model import forward_token, prefill
 from ds4ref.sample import SampleRNG, SamplingError, sample, sample_argmax
+from ds4ref.session_state import (  # noqa: F401
+    MAX_CACHE_BYTES,
+    ContextOverflowError,
+    EmptyPromptError,
+    NoLogitsError,
+    SessionError,
+    Snapshot,
+    TokenRangeError,
+    _flatten,
+    _unflatten,
+)
 from ds4ref.trace import NO_TRACE, Trace
-
-
-MAX_CACHE_BYTES = 16 * 2**30   # refuse a session whose KV cache alone would exceed this
-
-
-class SessionError(DS4RefError, ValueError):
-    """A session operation got bad input; the session is unchanged and still usable."""
-
-
-class ContextOverflowError(SessionError):
-    """The sequence would not fit in the session's context (ds4.c: "prompt exceeds
-    context")."""
-
-
-class TokenRangeError(SessionError):
-    """A token id is outside [0, n_vocab)."""
-
-
-class EmptyPromptError(SessionError):
-    """sync() got no tokens."""
-
-
-class NoLogitsError(SessionError):
-    """Logits were asked for before any token was evaluated."""
-
-
-@dataclasses.dataclass
-class Snapshot:
-    """A session's full state: tokens, logits and a deep copy of the KV cache.
-
-    Mirrors ds4.c: ds4_session_save_snapshot (l. 16659)
-    """
-    tokens: list[int]
-    logits: np.ndarray | None
-    cache: KVCache
-    ctx_size: int
 
 
 class Session:
@@ -426,48 +398,3 @@ class Session:
         return [
             (int(i), float(v[i]), float(np.float32(float(v[i]) - logsum))) for i in ids
         ]
-
-
-def _flatten(obj, prefix: str) -> dict[str, np.ndarray]:
-    """The arrays and numbers of a cache object tree as {dotted.name: array} (for
-    np.savez)."""
-    out = {}
-    items = enumerate(obj) if isinstance(obj, list) else vars(obj).items()
-    for name, v in items:
-        key = f"{prefix}.{name}"
-        if isinstance(v, (np.ndarray, bool, int, float, np.generic)):
-            out[key] = np.asarray(v)
-        elif isinstance(v, list) or (hasattr(v, "__dict__") and not callable(v)):
-            out.update(_flatten(v, key))
-    return out
-
-
-def _unflatten(obj, prefix: str, arrays: dict, path) -> None:
-    """Write saved arrays into a freshly built cache of the same model and ctx, checking
-    every one."""
-    want = _flatten(obj, prefix)
-    if set(want) != set(arrays):
-        diff = sorted(set(want) ^ set(arrays))[:3]
-        raise SessionError(
-            f"load {path}: cache layout differs from this model's ({diff} ...)"
-        )
-    for key, value in arrays.items():
-        if value.shape != want[key].shape:
-            raise SessionError(
-                f"load {path}: {key} has shape {value.shape}, expected "
-                f"{want[key].shape}"
-            )
-        *parents, last = key.split(".")[1:]
-        parent = obj
-        for part in parents:
-            parent = (
-                parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
-            )
-        current = getattr(parent, last)
-        setattr(
-            parent,
-            last,
-            value.astype(current.dtype)
-            if isinstance(current, np.ndarray)
-            else type(current)(value.item()),
-        )

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ds4ref.config import ModelConfig
+from ds4ref.ggml_types import GGML_BLOCK, GGMLType
 from ds4ref.gguf import (
-    GGML_BLOCK,
-    GGMLType,
     GGUFError,
     GGUFFile,
     GGUFValueType,

@@ -13,7 +13,7 @@ from ds4ref.backend import EXPERT_OPS, NUMPY, PROJECT_OPS, UnimplementedOpError,
 from ds4ref.backends import get_backend
 from ds4ref.config import ModelConfig
 from ds4ref.engine import Engine
-from ds4ref.gguf import GGMLType
+from ds4ref.ggml_types import GGMLType
 from ds4ref.matvec import MatvecError, matvec_q8_0_prequant
 from ds4ref.quant import F32, Q8_0, quantize_q8_0, quantize_q8_K
 from ds4ref.dev.quantize import quantize

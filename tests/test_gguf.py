@@ -89,7 +89,7 @@ def test_tensor_data_is_a_zero_copy_view_of_the_mapping(oracle):
 
 def test_block_table_matches_gguf_py():
     from gguf.constants import GGML_QUANT_SIZES
-    from ds4ref.gguf import GGML_BLOCK
+    from ds4ref.ggml_types import GGML_BLOCK
     for t, size in GGML_BLOCK.items():
         assert GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t))] == size, t.name
 

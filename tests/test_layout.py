@@ -97,6 +97,10 @@ def test_the_layers_stack_up():
         assert not {"ds4ref.backend", "ds4ref.attention", "ds4ref.moe", "ds4ref.hc"} & set(g[low])
     for sub in ("numba_backend", "mlx_backend", "cupy_backend"):
         assert "ds4ref.backends" not in g[f"ds4ref.backends.{sub}"], sub
+    # the tables of facts sit at the bottom: ggml's type ids / block sizes and the IQ2_XXS
+    # tables import nothing of ds4ref, and the modules that use them import them from there
+    assert g["ds4ref.ggml_types"] == {} and g["ds4ref.iq2_tables"] == {}
+    assert "ds4ref.ggml_types" in g["ds4ref.gguf"] and "ds4ref.iq2_tables" in g["ds4ref.quant"]
 
 
 def test_known_cycle_edges_still_exist():
@@ -168,3 +172,17 @@ def test_benchmark_entry_points_resolve():
                        capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr
     assert "--llama-cpp" in r.stdout and "--ds4c" in r.stdout
+
+
+MAX_MODULE_LINES = 420     # "no module over about 400 lines"
+
+
+def test_no_module_over_about_400_lines():
+    """Every module of the package, generated or not, stays readable: a module over
+    MAX_MODULE_LINES lines is split into cohesive modules in its chapter (no exceptions)."""
+    sizes = {p.relative_to(PKG.parent).as_posix(): len(p.read_text().splitlines())
+             for p in sorted(PKG.rglob("*.py"))}
+    assert len(sizes) > 50 and "ds4ref/gguf.py" in sizes
+    big = {m: n for m, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not big, "modules over %d lines: %s" % (
+        MAX_MODULE_LINES, ", ".join(f"{m} ({n})" for m, n in sorted(big.items())))

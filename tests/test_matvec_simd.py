@@ -8,6 +8,7 @@ from llvmlite import binding as llvm
 
 import ds4ref.backends.numba_kernels as nk
 import ds4ref.backends.numba_simd as ns
+import ds4ref.backends.numba_vnni as nv
 import ds4ref.backends.numba_matvec as nm
 from ds4ref.backend import NUMPY
 from ds4ref.backends import get_backend
@@ -184,7 +185,7 @@ def test_iq2_simd_follows_the_host_features(monkeypatch):
 from ds4ref.matvec import matvec_q8_0_prequant  # noqa: E402
 from ds4ref.quant import Q8Act  # noqa: E402
 
-Q8_0_PAIRS = ns.simd_kernels(ns.Q8_0_BYTE_DOT)
+Q8_0_PAIRS = ns.simd_kernels(nv.Q8_0_BYTE_DOT)
 NO_VNNI = "this CPU (or NUMBA_CPU_NAME) lacks AVX-512 VNNI + VL: the VNNI Q8_0 kernels cannot run here"
 
 
@@ -216,7 +217,7 @@ def q8_0_plain(raw, a: Q8Act) -> np.ndarray:
 def q8_0_vnni(pair, raw, a: Q8Act, lanes: bool) -> np.ndarray:
     out = np.empty((len(a.qs), raw.shape[0]), np.float32)
     if lanes:
-        nk.run_kernel(pair[1], raw, *ns.q8_0_lanes_operands(a.qs, a.d), len(a.qs), nk.F16_TO_F32, out)
+        nk.run_kernel(pair[1], raw, *nv.q8_0_lanes_operands(a.qs, a.d), len(a.qs), nk.F16_TO_F32, out)
     else:
         xc = 128 * a.qs.reshape(len(a.qs), -1, 32).sum(-1, dtype=np.int32)
         nk.run_kernel(pair[0], raw, a.qs, a.d, xc, nk.F16_TO_F32, out)
@@ -229,16 +230,16 @@ def test_vnni_follows_the_host_features(monkeypatch):
         want = bool(f.get("avx512vnni", False) and f.get("avx512vl", False))
         assert ("avx512vnni" in ns.host_simd()) == want
         assert (len(Q8_0_PAIRS) == 1) == want
-    assert ns.Q8_0_SIMD is (Q8_0_PAIRS[0] if Q8_0_PAIRS else None)
+    assert nv.Q8_0_SIMD is (Q8_0_PAIRS[0] if Q8_0_PAIRS else None)
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    assert ns.simd_kernels(ns.Q8_0_BYTE_DOT) == []
+    assert ns.simd_kernels(nv.Q8_0_BYTE_DOT) == []
 
 
 def test_q8_0_lanes_operands_layout():
     """Token l of tile k in lane l: bytes 4g..4g+3 of block b at xu[k, b, g, l] hold x + 128; padding is x = 0."""
     rng = np.random.default_rng(8)
     a = q8_0_act(rng, 19, 3)
-    xu, xd16 = ns.q8_0_lanes_operands(a.qs, a.d)
+    xu, xd16 = nv.q8_0_lanes_operands(a.qs, a.d)
     assert xu.shape == (2, 3, 8, 16, 4) and xu.dtype == np.uint8 and xd16.shape == (2, 3, 16)
     x = xu.astype(np.int32) - 128                                   # [tile, b, g, l, 4]
     tokens = x.transpose(0, 3, 1, 2, 4).reshape(32, 96)

@@ -12,7 +12,7 @@ from ds4ref.dev.bench_programs import (
     bench_llama_cpp,
     llama_model_path,
 )
-from ds4ref.dev.bench_engine import paired_ratios, summarize_rounds
+from ds4ref.dev.bench_timing import paired_ratios, summarize_rounds
 
 ORACLE = Path(__file__).resolve().parents[1] / "data" / "oracle" / "dev_seed1.gguf"
 

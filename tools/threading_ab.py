@@ -56,7 +56,8 @@ def main(argv=None) -> dict:
         child(args.model, args.steps)
         return {}
     from ds4ref.backends import machine_description
-    from ds4ref.dev.bench_engine import run_stamp, summarize_rounds, wide_model_path
+    from ds4ref.dev.bench_engine import wide_model_path
+    from ds4ref.dev.bench_timing import run_stamp, summarize_rounds
     model = args.model or str(wide_model_path())
     threads = [int(t) for t in args.threads.split(",")]
     rows: dict[str, list] = {}

@@ -72,7 +72,7 @@ def main() -> int:
                          mm_gflops=gflops(f_mm, best(lambda: mx.eval(mX @ mW), a.repeats))))
     except ImportError:
         pass
-    from ds4ref.dev.bench_engine import run_stamp
+    from ds4ref.dev.bench_timing import run_stamp
     from ds4ref.train.ship import machine
     out = dict(**run_stamp(), machine=machine(), load_average=os.getloadavg(),
                threads=a.threads, repeats=a.repeats,

@@ -26,6 +26,8 @@ from ds4ref.backends.numba_simd import (
     IQ2_XXS_SIMD,
     IQ2XXS_SIGN_MASKS,
     Q2_K_SIMD,
+)
+from ds4ref.backends.numba_vnni import (
     Q8_0_LANES_MIN_T,
     Q8_0_SIMD,
     q8_0_lanes_operands,

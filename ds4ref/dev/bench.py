@@ -20,7 +20,7 @@ from numba import njit, prange
 
 import ds4ref
 from ds4ref.backend import NUMPY
-from ds4ref.gguf import GGML_BLOCK, GGMLType
+from ds4ref.ggml_types import GGML_BLOCK, GGMLType
 from ds4ref.quant import quantize_q8_0, quantize_q8_K
 
 RESULTS = Path(ds4ref.__file__).resolve().parents[1] / "book" / "results"

@@ -12,7 +12,7 @@ def random_blocks(rng, rows: int, n: int, ggml_type: int) -> np.ndarray:
     scales): speed does not depend on the values, so the kernel benchmark needs no
     quantizer.
     Mirrors ds4.c: nothing (benchmark harness)"""
-    from ds4ref.gguf import GGML_BLOCK, GGMLType
+    from ds4ref.ggml_types import GGML_BLOCK, GGMLType
     from ds4ref.quant import row_bytes
     if ggml_type == 1:
         return rng.standard_normal((rows, n)).astype(np.float16).view(np.uint8)

@@ -17,6 +17,14 @@ import numpy as np
 
 from ds4ref.dev.bench_cuda import bench_cuda_kernels
 from ds4ref.dev.bench_programs import bench_ds4c, bench_llama_cpp, llama_model_path
+from ds4ref.dev.bench_timing import (
+    decode_profile,
+    paired_ratios,
+    print_ratios,
+    read_bandwidth,
+    run_stamp,
+    summarize_rounds,
+)
 
 RESULTS = Path("book/results/engine_bench.json")     # run from the repository root
 # ds4.c CPU, 2 threads, this machine kind (data/oracle/golden.json)
@@ -49,69 +57,6 @@ def decode_bytes_per_token(cfg) -> int:
             nbytes = one_row
         total += nbytes
     return int(total)
-
-
-def run_stamp() -> dict:
-    """When and on what code a result was measured: UTC date, git commit (None outside
-    git).
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
-    import datetime
-    import subprocess
-    try:
-        here = Path(__file__).resolve().parent
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                                capture_output=True, text=True).stdout.strip() or None
-    except (OSError, NameError):  # no git, or not run from the package (a notebook)
-        commit = None
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return {"date": now.isoformat(timespec="seconds"), "commit": commit}
-
-
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
-    """GB/s of summing a `nbytes` array, median and best of `repeats`: one numpy thread,
-    and all cores through numba when present. 'gbps' is the best reading of either: on a
-    shared machine the floor is what the memory can do when nothing else runs.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
-    a = np.ones(nbytes // 8, np.float64)
-    out = {"bytes": int(a.nbytes)}
-    runs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a.sum()
-        runs.append(a.nbytes / (time.perf_counter() - t) / 1e9)
-    out["numpy_1_thread_gbps"] = statistics.median(runs)
-    out["numpy_1_thread_best_gbps"] = max(runs)
-    try:
-        from numba import get_num_threads, njit, prange
-        from ds4ref.backends.numba_backend import choose_threading_layer
-        choose_threading_layer()  # before this process's first parallel kernel
-
-        @njit(parallel=True, cache=True)
-        def _sum(x):
-            s = 0.0
-            for i in prange(x.shape[0]):
-                s += x[i]
-            return s
-
-        _sum(a[:1024])
-        runs = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            _sum(a)
-            runs.append(a.nbytes / (time.perf_counter() - t) / 1e9)
-        out["parallel_gbps"] = statistics.median(runs)
-        out["parallel_best_gbps"] = max(runs)
-        out["threads"] = get_num_threads()
-    except ImportError:
-        out["parallel_gbps"], out["parallel_best_gbps"] = (
-            out["numpy_1_thread_gbps"],
-            out["numpy_1_thread_best_gbps"],
-        )
-        out["threads"] = 1
-    out["gbps"] = max(out["parallel_best_gbps"], out["numpy_1_thread_best_gbps"])
-    return out
 
 
 def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -> dict:
@@ -150,75 +95,6 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
         "decode_s_per_token_min": min(per),
         "profile": decode_profile(s, tok, max(1, min(steps, 3))),
     }
-
-
-def summarize_rounds(rows: list[dict]) -> dict:
-    """One program's row over the rounds: the round with the median decode tok/s (the
-    lower middle one for an even count), plus min, median and max of decode and prefill
-    tok/s, and each round's value.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
-    order = sorted(range(len(rows)), key=lambda i: rows[i]["decode_tok_s"])
-    r = dict(rows[order[(len(rows) - 1) // 2]])
-    for key in ("decode_tok_s", "prefill_tok_s"):
-        vals = [row[key] for row in rows]
-        r.update({f"{key}_min": min(vals), f"{key}_median": statistics.median(vals),
-                  f"{key}_max": max(vals), f"{key}_rounds": vals})
-    return r
-
-
-def paired_ratios(rounds: list[dict]) -> dict:
-    """ds4ref numba over ds4.c and over llama.cpp at the same thread count, paired in
-    each round: {'numba Nt / PROGRAM Nt': {'decode': [one per round], 'prefill': [...],
-    'decode_median': ..., 'prefill_median': ...}}; `rounds` holds one {label: row} each.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
-    out = {}
-    for label, row in rounds[0].items():
-        if row["backend"] != "numba" or "threads" not in row:
-            continue
-        for other in ("ds4.c", "llama.cpp"):
-            theirs = f"{other} {row['threads']}t"
-            if theirs not in rounds[0]:
-                continue
-            pair = {}
-            for key in ("decode", "prefill"):
-                vals = [m[label][f"{key}_tok_s"] / m[theirs][f"{key}_tok_s"]
-                        for m in rounds]
-                pair[key], pair[f"{key}_median"] = vals, statistics.median(vals)
-            out[f"{label} / {theirs}"] = pair
-    return out
-
-
-def decode_profile(session, tok: int, steps: int, top: int = 8) -> list:
-    """Where a decode step's time goes: the `top` functions by own time over `steps`
-    steps, as [function, share of the total]; the rest is summed as 'other'.
-    Mirrors ds4.c: nothing (benchmark harness)"""
-    import cProfile
-    import pstats
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        tok = int(np.argmax(session.eval(tok)))
-    prof.disable()
-    # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
-    st = pstats.Stats(prof).stats
-    own = sorted(((v[2], _function_label(*k)) for k, v in st.items()), reverse=True)
-    total = sum(t for t, _ in own) or 1.0
-    rows = [[name, t / total] for t, name in own[:top]]
-    return rows + [["other", sum(t for t, _ in own[top:]) / total]]
-
-
-def _function_label(file: str, line: int, name: str) -> str:
-    """'module.function' for Python code; the bare method name for C built-ins
-    ('einsum', 'ndarray.astype')."""
-    if file != "~":
-        return f"{Path(file).stem}.{name}"
-    if "method '" in name:  # <method 'astype' of 'numpy.ndarray' objects>
-        meth, owner = name.split("'")[1], name.split("'")[3]
-        return f"{owner.split('.')[-1]}.{meth}"
-    # <built-in method numpy.array>
-    return name.strip("<>").split(".")[-1].replace("built-in method ", "")
 
 
 def wide_model_path(cache: Path | None = None) -> Path:
@@ -274,16 +150,6 @@ def bench_numbered(path, backend: str, prompt: list[int], steps: int, ctx: int,
     r["threads"] = threads
     r["label"] = f"numba {threads}t"
     return r
-
-
-def print_ratios(model: str, pairs: dict) -> None:
-    """Print `paired_ratios`: each pair's ratio per round, then their median.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
-    for name, p in pairs.items():
-        for key in ("decode", "prefill"):
-            each = " ".join(f"{v:.2f}" for v in p[key])
-            print(f"{model:8s} {name} {key}: {each}; median {p[f'{key}_median']:.2f}x")
 
 
 def main(argv=None) -> dict:

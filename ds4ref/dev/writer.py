@@ -15,8 +15,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ds4ref.config import ModelConfig
-from ds4ref.gguf import (_SCALAR_DTYPE, GGML_BLOCK, DS4RefError, GGMLType, GGUFError,
-                         GGUFValueType as V, type_nbytes)
+from ds4ref.ggml_types import GGML_BLOCK, GGMLType, type_nbytes
+from ds4ref.gguf import _SCALAR_DTYPE, DS4RefError, GGUFError, GGUFValueType as V
 from ds4ref.weights import SPECIAL_TOKENS, TensorSpec, tensor_specs
 from ds4ref.dev.bpe import tokenizer_metadata
 

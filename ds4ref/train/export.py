@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4ref.gguf import GGMLType as T
+from ds4ref.ggml_types import GGMLType as T
 from ds4ref.gguf import GGUFValueType as V
 from ds4ref.mtp import mtp_tensor_specs
 from ds4ref.quant import dequantize

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4ref.config import ModelConfig
-from ds4ref.gguf import GGMLType as T
+from ds4ref.ggml_types import GGMLType as T
 from ds4ref.gguf import GGUFFile
 from ds4ref.mtp import mtp_tensor_specs
 from ds4ref.quant import dequantize
