@@ -287,7 +287,141 @@ def test_q8_0_backend_uses_either_path_with_the_same_bits(monkeypatch):
     batched = Q8Act(a.qs.reshape(2, 3, -1), a.d.reshape(2, 3, -1))
     assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, batched), matvec_q8_0_prequant(raw, batched))
     monkeypatch.setattr(nm, "Q8_0_SIMD", None)
+    monkeypatch.setattr(nm, "Q8_0_AVX2", None)
     assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
+
+
+# Q8_0 by AVX2 (appendix D, D.3d): |w| times sign(w) x by vpmaddubsw, one token at a time and 8-token lanes
+import ds4ref.backends.numba_q8avx2 as qa  # noqa: E402
+
+Q8_0_AVX2_PAIRS = ns.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT)
+NO_AVX2 = "this CPU (or NUMBA_CPU_NAME) lacks AVX2: the AVX2 Q8_0 kernels cannot run here"
+
+
+def q8_0_act_127(rng, T: int, nb: int) -> Q8Act:
+    """Random Q8_0 activations in [-127, 127] (the AVX2 kernels' domain), 30% of them +-127, a block of all -127
+    and one of all 127."""
+    qs = rng.integers(-127, 128, (T, nb * 32), dtype=np.int8)
+    qs = np.where(rng.random(qs.shape) < 0.3, rng.choice(np.int8([-127, 127]), qs.shape), qs).astype(np.int8)
+    qs[0, :32] = -127
+    qs[-1, -32:] = 127
+    return Q8Act(qs, rng.uniform(0.001, 1, (T, nb)).astype(np.float32))
+
+
+def q8_0_avx2(pair, raw, a: Q8Act, lanes: bool) -> np.ndarray:
+    out = np.full((len(a.qs), raw.shape[0]), np.nan, np.float32)
+    if lanes:
+        nk.run_kernel(pair[1], raw, *qa.q8_0_avx2_lanes_operands(a.qs, a.d), len(a.qs), nk.F16_TO_F32, out)
+    else:
+        nk.run_kernel(pair[0], raw, np.ascontiguousarray(a.qs), a.d, nk.F16_TO_F32, out)
+    return out
+
+
+def test_q8_0_avx2_follows_the_host_features(monkeypatch):
+    f = llvm.get_host_cpu_features()
+    if nk.config.CPU_NAME in (None, "host"):
+        assert (len(Q8_0_AVX2_PAIRS) == 1) == bool(f.get("avx2", False))
+    assert qa.Q8_0_AVX2 is (Q8_0_AVX2_PAIRS[0] if Q8_0_AVX2_PAIRS else None)
+    assert nm.Q8_0_AVX2 is qa.Q8_0_AVX2
+    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    assert ns.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT) == []
+
+
+def test_q8_0_avx2_lanes_operands_layout():
+    """Token l of tile k in lane l: bytes 4g..4g+3 of block b at xs[k, b, g, l], signed; padding x = 0, d = 0."""
+    rng = np.random.default_rng(18)
+    a = q8_0_act_127(rng, 11, 3)
+    xs, xd8 = qa.q8_0_avx2_lanes_operands(a.qs, a.d)
+    assert xs.shape == (2, 3, 8, 8, 4) and xs.dtype == np.int8 and xd8.shape == (2, 3, 8)
+    tokens = xs.transpose(0, 3, 1, 2, 4).reshape(16, 96)
+    assert np.array_equal(tokens[:11], a.qs) and not tokens[11:].any()
+    d = xd8.transpose(0, 2, 1).reshape(16, 3)
+    assert np.array_equal(d[:11], a.d) and not d[11:].any()
+    assert xs[1, 2, 5, 2, 3] == a.qs[10, 64 + 4 * 5 + 3]
+
+
+@pytest.mark.skipif(not Q8_0_AVX2_PAIRS, reason=NO_AVX2)
+@pytest.mark.parametrize("T", [1, 2, 7, 8, 9, 16, 33, 128])
+@pytest.mark.parametrize("lanes", [False, True], ids=["one_token", "lanes"])
+def test_q8_0_avx2_equals_plain_kernel(T, lanes):
+    """Both AVX2 kernels, every T, rows not a multiple of 4 (and below/above 512), nb not a multiple of 4, weights
+    30% -128 / 127, activations 30% +-127: the same float32 bits as q8_0_kernel and the numpy reference."""
+    rng = np.random.default_rng(300 + T)
+    for rows, nb in ((37, 7), (613, 41)):
+        raw, a = q8_0_rows(rng, rows, nb), q8_0_act_127(rng, T, nb)
+        want = q8_0_plain(raw, a)
+        assert np.array_equal(want, matvec_q8_0_prequant(raw, a))
+        assert np.array_equal(q8_0_avx2(Q8_0_AVX2_PAIRS[0], raw, a, lanes), want), (rows, nb)
+
+
+@pytest.mark.skipif(not Q8_0_AVX2_PAIRS, reason=NO_AVX2)
+def test_q8_0_avx2_at_the_integer_extremes():
+    """All weights -128 against all activations 127 / -127 (the largest pairs, +-2 * 128 * 127, which saturate
+    int16 if w + 128 were the unsigned side) and 127 against -127: exact block sums."""
+    for wb, xv in ((0x80, 127), (0x80, -127), (0x7F, -127), (0x7F, 127)):
+        raw = np.full((5, 4 * 34), wb, np.uint8)
+        raw.reshape(5, 4, 34)[..., :2] = np.array([0.5], np.float16).view(np.uint8)
+        for T in (1, 9):
+            a = Q8Act(np.full((T, 128), xv, np.int8), np.ones((T, 4), np.float32))
+            want = q8_0_plain(raw, a)
+            assert want[0, 0] == 4 * 0.5 * 32 * int(np.uint8(wb).view(np.int8)) * xv
+            for lanes in (False, True):
+                assert np.array_equal(q8_0_avx2(Q8_0_AVX2_PAIRS[0], raw, a, lanes), want), (wb, xv, T, lanes)
+
+
+@pytest.mark.skipif(not Q8_0_AVX2_PAIRS, reason=NO_AVX2)
+def test_q8_0_avx2_equals_plain_kernel_on_ds4_tensors(model, ops_A):
+    """The real Q8_0 weights (attention, shared expert) against ds4's recorded activations, every recorded position
+    of a layer as one batch (lanes) and the first alone (one token): the same float32 bits as q8_0_kernel."""
+    _, w = model
+    positions = [int(p) for p in ops_A["positions"]]
+    cases = [("attn_q_a", "q8.attn_q_a"), ("attn_kv", "q8.attn_kv"), ("attn_output_b", "q8.attn_output_b"),
+             ("ffn_gate_shexp", "q8.ffn_gate_shexp"), ("ffn_down_shexp", "q8.ffn_down_shexp")]
+    for il in (0, 3, 5):
+        for field, act in cases:
+            keys = [f"L{il}.P{p}.{act}" for p in positions]
+            a = Q8Act(np.concatenate([ops_A[k + ".qs"].reshape(-1, ops_A[k + ".qs"].shape[-1]) for k in keys]),
+                      np.concatenate([ops_A[k + ".d"].reshape(-1, ops_A[k + ".d"].shape[-1]) for k in keys]))
+            assert (a.qs != -128).all()
+            raw = np.ascontiguousarray(weight_rows(getattr(w.layers[il], field), nm.Q8_0))
+            for sub, lanes in ((Q8Act(a.qs[:1], a.d[:1]), False), (a, True)):
+                want = q8_0_plain(raw, sub)
+                assert np.array_equal(q8_0_avx2(Q8_0_AVX2_PAIRS[0], raw, sub, lanes), want), (il, field, lanes)
+
+
+def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
+    """numba_matvec_q8_0_prequant: VNNI where the CPU has it, else AVX2 (lanes from Q8_0_AVX2_LANES_MIN_T tokens
+    on, one token below), else q8_0_kernel; an activation code -128 goes to q8_0_kernel on the AVX2 path. Every
+    choice gives the numpy reference's bits."""
+    rng = np.random.default_rng(9)
+    raw = q8_0_rows(rng, 601, 16)
+    called = []
+    real_run = nm.run_kernel
+    monkeypatch.setattr(nm, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
+    have = ns.host_simd()
+    for T in (1, qa.Q8_0_AVX2_LANES_MIN_T - 1, qa.Q8_0_AVX2_LANES_MIN_T, 33):
+        a = q8_0_act_127(rng, T, 16)
+        for minus_128 in (False, True):
+            if minus_128:
+                a.qs[T - 1, 5] = -128
+            called.clear()
+            assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a)), (T, minus_128)
+            if "avx512vnni" in have:
+                want = nv.Q8_0_SIMD[1 if T >= nv.Q8_0_LANES_MIN_T else 0]
+            elif "avx2" in have and not minus_128:
+                want = qa.Q8_0_AVX2[1 if T >= qa.Q8_0_AVX2_LANES_MIN_T else 0]
+            else:
+                want = nk.q8_0_kernel
+            assert called == [want], (T, minus_128)
+    if "avx2" in have:   # the AVX2 path as on a CPU without VNNI, and the portable one without AVX2
+        monkeypatch.setattr(nm, "Q8_0_SIMD", None)
+        a = q8_0_act_127(rng, 12, 16)
+        called.clear()
+        assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
+        monkeypatch.setattr(nm, "Q8_0_AVX2", None)
+        assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
+        assert called == [qa.Q8_0_AVX2[1], nk.q8_0_kernel]
+    assert qa.Q8_0_AVX2_LANES_MIN_T >= 2
 
 
 # IQ2_XXS in lanes (appendix D, D.3c): each row decoded once, 8 (AVX2) or 16 (AVX-512) tokens per vector,

@@ -27,6 +27,11 @@ from ds4ref.backends.numba_simd import (
     IQ2XXS_SIGN_MASKS,
     Q2_K_SIMD,
 )
+from ds4ref.backends.numba_q8avx2 import (
+    Q8_0_AVX2,
+    Q8_0_AVX2_LANES_MIN_T,
+    q8_0_avx2_lanes_operands,
+)
 from ds4ref.backends.numba_vnni import (
     Q8_0_LANES_MIN_T,
     Q8_0_SIMD,
@@ -52,23 +57,39 @@ def _rows(w, ggml_type: int) -> np.ndarray:
     return np.ascontiguousarray(weight_rows(w, ggml_type))
 
 
-def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
-    """As ds4ref.matvec.matvec_q8_0_prequant, by Q8_0_SIMD's VNNI kernels where the CPU
-    has them (16-token lanes from Q8_0_LANES_MIN_T tokens on), else q8_0_kernel.
+def _q8_0_vnni(raw, xq, xd, out) -> None:
+    """out = the Q8_0 matvec by Q8_0_SIMD's VNNI kernels: 16-token lanes from
+    Q8_0_LANES_MIN_T tokens on, else one token at a time.
     Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
-    raw = _rows(w, Q8_0)
-    (xq, xd), lead = q8_0_fields(a, row_elements(raw, Q8_0))
-    T, rows = len(xq), raw.shape[0]
-    out = _out(T, rows)
-    if Q8_0_SIMD is None:
-        run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=rows)
-    elif T >= Q8_0_LANES_MIN_T:  # the activation repacked once, 16 tokens per vector
+    T, rows = out.shape
+    if T >= Q8_0_LANES_MIN_T:  # the activation repacked once, 16 tokens per vector
         xu, xd16 = q8_0_lanes_operands(xq, xd)
         run_kernel(Q8_0_SIMD[1], raw, xu, xd16, T, F16_TO_F32, out, rows=rows)
     else:  # one token at a time, with the 128 sum x corrections computed once
         xq, xd = np.ascontiguousarray(xq), np.ascontiguousarray(xd)
         xc = 128 * xq.reshape(T, -1, 32).sum(-1, dtype=np.int32)
         run_kernel(Q8_0_SIMD[0], raw, xq, xd, xc, F16_TO_F32, out, rows=rows)
+
+
+def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
+    """As ds4ref.matvec.matvec_q8_0_prequant, by Q8_0_SIMD's VNNI kernels where the CPU
+    has them; else by Q8_0_AVX2's kernels where it has AVX2 and no activation code is
+    -128 (8-token lanes from Q8_0_AVX2_LANES_MIN_T tokens on); else q8_0_kernel.
+    Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
+    raw = _rows(w, Q8_0)
+    (xq, xd), lead = q8_0_fields(a, row_elements(raw, Q8_0))
+    T, rows = len(xq), raw.shape[0]
+    out = _out(T, rows)
+    if Q8_0_SIMD is not None:
+        _q8_0_vnni(raw, xq, xd, out)
+    elif Q8_0_AVX2 is None or (xq == -128).any():  # -128: the sign trick's exclusion
+        run_kernel(q8_0_kernel, raw, xq, xd, F16_TO_F32, out, rows=rows)
+    elif T >= Q8_0_AVX2_LANES_MIN_T:  # repacked once, 8 tokens per vector
+        xs, xd8 = q8_0_avx2_lanes_operands(xq, xd)
+        run_kernel(Q8_0_AVX2[1], raw, xs, xd8, T, F16_TO_F32, out, rows=rows)
+    else:  # one token at a time
+        xq, xd = np.ascontiguousarray(xq), np.ascontiguousarray(xd)
+        run_kernel(Q8_0_AVX2[0], raw, xq, xd, F16_TO_F32, out, rows=rows)
     return out.reshape(lead + (rows,))
 
 

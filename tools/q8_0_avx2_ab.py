@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""The portable Q8_0 matvec kernel against the AVX2 ones (appendix D.3d), side by side, in one process.
+
+Every row is one (threads, shape, tokens) case; each round times every variant of the row once, in
+turn, so that a noisy moment of the machine touches them all. Variants (all through
+`numba_matvec_q8_0_prequant`, so the AVX2 rows include the -128 check and the activation repack):
+
+  portable  q8_0_kernel (Q8_0_AVX2 forced to None)
+  one-tok   q8_0_avx2_kernel for every T
+  lanes     q8_0_avx2_lanes_kernel for every T
+
+Each timing cycles through copies of the weight (--stream-mb) so that they stream from memory.
+Prints min time per variant and the median over rounds of the paired ratio variant / portable.
+Not a test and writes no file.
+
+    python tools/q8_0_avx2_ab.py                          # T = 1, 4, 8, 16, 128; 1 and 2 threads
+    python tools/q8_0_avx2_ab.py --tokens 1,2,3 --threads 2 --rounds 7
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# wide-model Q8_0 shapes [rows x n]
+SHAPES = ((4096, 4096), (1024, 4096))
+
+
+def q8_0_weight(rng, rows: int, n: int) -> np.ndarray:
+    """Random Q8_0 rows (uint8 [rows, n/32 * 34]) with finite f16 scales."""
+    raw = rng.integers(0, 256, (rows, n // 32 * 34), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, 34)
+    blocks[..., :2] = rng.uniform(-0.02, 0.02, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--tokens", default="1,4,8,16,128")
+    ap.add_argument("--min-seconds", type=float, default=0.05, help="per timing (repeats the call)")
+    ap.add_argument("--stream-mb", type=float, default=256,
+                    help="copies of each weight, used in turn, of this many MB in all, so that the "
+                         "weights come from memory as in a model's decode, not from the L3 cache")
+    args = ap.parse_args(argv)
+
+    import numba
+    import ds4ref.backends.numba_matvec as nm
+    import ds4ref.backends.numba_q8avx2 as qa
+    from ds4ref.matvec import matvec_q8_0_prequant
+    from ds4ref.quant import Q8Act
+
+    kernels = qa.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT)
+    if not kernels:
+        sys.exit("this CPU (or NUMBA_CPU_NAME) has no AVX2: nothing to compare")
+    if nm.Q8_0_SIMD is not None:
+        print("note: this CPU has AVX-512 VNNI; the VNNI kernels are switched off here")
+    nm.Q8_0_SIMD = None
+    own = (nm.Q8_0_AVX2, nm.Q8_0_AVX2_LANES_MIN_T)
+    variants = {"portable": (None, 1), "one-tok": (kernels[0], 1 << 30), "lanes": (kernels[0], 1)}
+
+    def call(variant, w, a):
+        nm.Q8_0_AVX2, nm.Q8_0_AVX2_LANES_MIN_T = variants[variant]
+        return nm.numba_matvec_q8_0_prequant(w, a)
+
+    rng = np.random.default_rng(0)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        numba.set_num_threads(threads)
+        for rows, n in SHAPES:
+            w = q8_0_weight(rng, rows, n)
+            copies = [w] + [w.copy() for _ in range(int(args.stream_mb * 2**20 // w.nbytes))]
+            for T in [int(t) for t in args.tokens.split(",")]:
+                a = Q8Act(rng.integers(-127, 128, (T, n), dtype=np.int8),   # no -128: the AVX2 path
+                          rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32))
+                want = matvec_q8_0_prequant(w, a) if T * rows * n <= 1 << 31 else None
+                reps = {}
+                for v in variants:  # compile, check the bits, size the repeats
+                    got = call(v, w, a)
+                    assert want is None or np.array_equal(got, want), (v, rows, n, T)
+                    t0 = time.perf_counter()
+                    call(v, w, a)
+                    reps[v] = max(1, int(args.min_seconds / max(time.perf_counter() - t0, 1e-6)))
+                times = {v: [] for v in variants}
+                for _ in range(args.rounds):
+                    for v in variants:
+                        t0 = time.perf_counter()
+                        for i in range(reps[v]):
+                            call(v, copies[i % len(copies)], a)
+                        times[v].append((time.perf_counter() - t0) / reps[v])
+                ratios = {v: statistics.median(t / p for t, p in zip(times[v], times["portable"]))
+                          for v in variants if v != "portable"}
+                print(_row(threads, f"{rows}x{n}", T, {v: min(t) for v, t in times.items()}, ratios),
+                      flush=True)
+    nm.Q8_0_AVX2, nm.Q8_0_AVX2_LANES_MIN_T = own
+    print("\nmin ms per call; ratio = median over rounds of (variant / portable), < 1: faster")
+
+
+def _row(threads, shape, T, best, ratios) -> str:
+    ms = "  ".join(f"{v} {t * 1e3:8.3f} ms" for v, t in best.items())
+    rs = "  ".join(f"{v}/portable {r:.2f}" for v, r in ratios.items())
+    return f"{threads}t  {shape:>9s}  T={T:<4d} {ms}   {rs}"
+
+
+if __name__ == "__main__":
+    main()
