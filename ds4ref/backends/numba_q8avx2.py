@@ -18,6 +18,11 @@ _i8, _i16, _i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _f32, _vec = ir.FloatType(), ir.VectorType
 
 
+def _at_k(k):
+    """The i64 constant k (a block or row index, scaled by a step in the IR)."""
+    return ir.Constant(ir.IntType(64), k)
+
+
 def _sign_dot(builder, w, x):
     """8 int32 lanes, lane j = sum_{i<4} w_4j+i x_4j+i for 32 int8 w, x (none of x
     -128): vpmaddubsw of |w| (unsigned, <= 128) by sign(w) x, then vpmaddwd by 1."""
@@ -63,10 +68,6 @@ def _q8_0_dot4_intrinsic():
         return types.UniTuple(types.int32, 4)(a, a, a, a), codegen
     typer.__name__ = typer.__qualname__ = "_q8_0_dot4_avx2"
     return intrinsic(typer)
-
-
-def _at_k(k):
-    return ir.Constant(ir.IntType(64), k)
 
 
 # rows of the lanes kernel's intrinsic: each activation register serves this many
