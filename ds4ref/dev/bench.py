@@ -22,8 +22,9 @@ import ds4ref
 from ds4ref.backend import NUMPY
 from ds4ref.ggml_types import GGML_BLOCK, GGMLType
 from ds4ref.quant import quantize_q8_0, quantize_q8_K
+from ds4ref.dev.bench_timing import RESULTS_DIR
 
-RESULTS = Path(ds4ref.__file__).resolve().parents[1] / "book" / "results"
+RESULTS = RESULTS_DIR
 
 # (label, ggml type, n_in, n_out): the decode matvecs of the real DS4 Flash shape
 MATVEC_SHAPES = [

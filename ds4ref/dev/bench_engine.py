@@ -18,6 +18,8 @@ import numpy as np
 from ds4ref.dev.bench_cuda import bench_cuda_kernels
 from ds4ref.dev.bench_programs import bench_ds4c, bench_llama_cpp, llama_model_path
 from ds4ref.dev.bench_timing import (
+    REPO,
+    RESULTS_DIR,
     decode_profile,
     paired_ratios,
     print_ratios,
@@ -26,10 +28,10 @@ from ds4ref.dev.bench_timing import (
     summarize_rounds,
 )
 
-RESULTS = Path("book/results/engine_bench.json")     # run from the repository root
+RESULTS = RESULTS_DIR / "engine_bench.json"
 # ds4.c CPU, 2 threads, this machine kind (data/oracle/golden.json)
 DS4C_WIDE_DECODE_TOK_S = (9.13, 9.67)
-ORACLE_MODEL = Path("data/oracle/dev_seed1.gguf")
+ORACLE_MODEL = REPO / "data" / "oracle" / "dev_seed1.gguf"
 
 
 

@@ -10,6 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
+import ds4ref
+
+# the checkout that holds the package: results land in its book/results/ wherever the
+# benchmark is run from
+REPO = Path(ds4ref.__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "book" / "results"
+
 
 def run_stamp() -> dict:
     """When and on what code a result was measured: UTC date, git commit (None outside
