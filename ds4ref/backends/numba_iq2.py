@@ -12,24 +12,10 @@ from numba.extending import intrinsic
 
 from ds4ref.backends.numba_kernels import _f16
 from ds4ref.backends.numba_simd import simd_kernels
+from ds4ref.backends.numba_vnni import _addr, _splat, lanes_operands
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32, _vec = ir.FloatType(), ir.VectorType
-
-
-def _at(builder, addr, offset, t):
-    """A t* to byte address addr + offset (offset: an int or an i64 value)."""
-    if isinstance(offset, int):
-        offset = ir.Constant(_i64, offset)
-    return builder.inttoptr(builder.add(addr, offset), t.as_pointer())
-
-
-def _bcast(builder, v, t, count):
-    """The scalar v of type t in every lane of a `count`-lane vector."""
-    one = builder.insert_element(
-        ir.Constant(_vec(t, count), None), v, ir.Constant(_i32, 0)
-    )
-    return builder.shuffle_vector(one, one, ir.Constant(_vec(_i32, count), [0] * count))
 
 
 def _fn(builder, name, ret, params):
@@ -60,29 +46,29 @@ def _iq2_xxs_decode_intrinsic():
             v = ir.Constant(_vec(_i64, 4), None)
             for lane, k in enumerate(idx):
                 at = builder.shl(k, ir.Constant(_i64, 3))
-                row = builder.load(_at(builder, table, at, _i64), align=1)
+                row = builder.load(_addr(builder, table, at, _i64), align=1)
                 v = builder.insert_element(v, row, ir.Constant(_i32, lane))
             return builder.bitcast(v, b32)
 
         c = ir.Constant(v8, [0] * 8)
         for g in range(8):  # 32-value groups: 4 grid bytes, then a 32-bit word
-            word = builder.load(_at(builder, w, 8 * g + 4, _i32), align=1)
+            word = builder.load(_addr(builder, w, 8 * g + 4, _i32), align=1)
             w64 = builder.zext(word, _i64)
             grid_idx = [
-                builder.zext(builder.load(_at(builder, w, 8 * g + l, _i8)), _i64)
+                builder.zext(builder.load(_addr(builder, w, 8 * g + l, _i8)), _i64)
                 for l in range(4)
             ]
             sign_idx = [builder.and_(builder.lshr(w64, ir.Constant(_i64, 7 * l)),
                                      ir.Constant(_i64, 127)) for l in range(4)]
             m = rows(masks, sign_idx)
             qg = builder.sub(builder.xor(rows(grid, grid_idx), m), m)  # -grid where -1
-            builder.store(qg, _at(builder, q, 32 * g, b32), align=1)
+            builder.store(qg, _addr(builder, q, 32 * g, b32), align=1)
             scale = builder.add(builder.shl(builder.lshr(word, ir.Constant(_i32, 28)),
                                             ir.Constant(_i32, 1)), ir.Constant(_i32, 1))
-            builder.store(scale, _at(builder, sc, 4 * g, _i32), align=1)
+            builder.store(scale, _addr(builder, sc, 4 * g, _i32), align=1)
             # (2 s + 1) sum q: byte pairs q_e + q_e+1 (1 * q), then pairs times 2 s + 1
             pairs = builder.call(maddubs, [ones, qg])
-            s16 = _bcast(builder, builder.trunc(scale, _i16), _i16, 16)
+            s16 = _splat(builder, builder.trunc(scale, _i16), _i16, 16)
             c = builder.add(c, builder.call(maddwd, [pairs, s16]))
         return builder.mul(builder.call(reduce, [c]), ir.Constant(_i32, 128))
 
@@ -121,33 +107,33 @@ def _iq2_xxs_lanes_intrinsic(kind: str):
         rows = ((qg, sg, cg, dg, acc_g), (qu, su, cu, du, acc_u))
         bsum = [zero, zero]
         for g in range(8):
-            scale = [builder.load(_at(builder, sc, 4 * g, _i32), align=1)
+            scale = [builder.load(_addr(builder, sc, 4 * g, _i32), align=1)
                      for _, sc, *_ in rows]
             s = [zero, zero]
             for j in range(8):  # bytes 32g + 4j .. +3 of all L tokens
-                x = builder.load(_at(builder, xu, 4 * L * (8 * g + j), vi), align=1)
+                x = builder.load(_addr(builder, xu, 4 * L * (8 * g + j), vi), align=1)
                 for k, (q, *_) in enumerate(rows):
-                    wq = builder.load(_at(builder, q, 32 * g + 4 * j, _i32), align=1)
-                    wq = _bcast(builder, wq, _i32, L)
+                    wq = builder.load(_addr(builder, q, 32 * g + 4 * j, _i32), align=1)
+                    wq = _splat(builder, wq, _i32, L)
                     if kind == "avx512vnni":  # s += 4 products per lane
                         s[k] = builder.call(dpbusd, [s[k], x, wq])
                         continue
                     # pairs (y+128) q <= 2 * 255 * 43: no saturation
                     pairs = builder.call(maddubs, [builder.bitcast(x, vb),
                                                    builder.bitcast(wq, vb)])
-                    sc16 = _bcast(builder, builder.trunc(scale[k], _i16), _i16, 2 * L)
+                    sc16 = _splat(builder, builder.trunc(scale[k], _i16), _i16, 2 * L)
                     bsum[k] = builder.add(bsum[k], builder.call(maddwd, [pairs, sc16]))
             if kind == "avx512vnni":
                 for k in range(2):
                     bsum[k] = builder.add(bsum[k], builder.mul(
-                        s[k], _bcast(builder, scale[k], _i32, L)))
-        ydv = builder.load(_at(builder, yd, 0, vf), align=1)
+                        s[k], _splat(builder, scale[k], _i32, L)))
+        ydv = builder.load(_addr(builder, yd, 0, vf), align=1)
         for k, (_, _, c, d, acc) in enumerate(rows):
-            exact = builder.sub(bsum[k], _bcast(builder, c, _i32, L))
+            exact = builder.sub(bsum[k], _splat(builder, c, _i32, L))
             # as _iq2_xxs_row: (f16(d) * d_y) * float(bsum), then acc + that
-            term = builder.fmul(builder.fmul(_bcast(builder, d, _f32, L), ydv),
+            term = builder.fmul(builder.fmul(_splat(builder, d, _f32, L), ydv),
                                 builder.sitofp(exact, vf))
-            p = _at(builder, acc, 0, vf)
+            p = _addr(builder, acc, 0, vf)
             builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
         return context.get_dummy_value()
 
@@ -170,15 +156,7 @@ def iq2_xxs_lanes_operands(yq: np.ndarray, yd: np.ndarray, lanes: int):
     lanes]), tiles = ceil(T / lanes); xu holds y + 128, token l of a tile in lane l,
     bytes 4j..4j+3 of block b at [tile, b, j, l]; padding tokens are y = 0, d = 0.
     Mirrors ds4.c: nothing (ds4.c dots one token at a time)"""
-    T, n = yq.shape
-    nb, tiles = n // 256, -(-T // lanes)
-    xp = np.full((tiles * lanes, n), 0x80, np.uint8)
-    xp[:T] = yq.view(np.uint8) ^ np.uint8(0x80)
-    xu = xp.view(np.uint32).reshape(tiles, lanes, nb, 64).transpose(0, 2, 3, 1)
-    dp = np.zeros((tiles * lanes, nb), np.float32)
-    dp[:T] = yd
-    ydl = np.ascontiguousarray(dp.reshape(tiles, lanes, nb).transpose(0, 2, 1))
-    return np.ascontiguousarray(xu).view(np.uint8).reshape(tiles, nb, 64, lanes, 4), ydl
+    return lanes_operands(yq, yd, lanes, 256, biased=True)
 
 
 @njit(inline="always")

@@ -10,7 +10,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba_iq2 import _at, _bcast, _fn
+from ds4ref.backends.numba_iq2 import _fn
+from ds4ref.backends.numba_vnni import _addr, _splat, lanes_operands, sum4_blocks
 from ds4ref.backends.numba_kernels import _f16
 from ds4ref.backends.numba_simd import simd_kernels
 
@@ -48,20 +49,13 @@ def _q8_0_dot4_intrinsic():
         hadd = _fn(builder, "llvm.x86.avx2.phadd.d", v8, [v8] * 2)
         sums = []
         for k in range(4):  # block k: 8 lanes of 4 products
-            wk = builder.load(_at(builder, w, builder.mul(w_step, _at_k(k)), b32),
+            wk = builder.load(_addr(builder, w, builder.mul(w_step, _at_k(k)), b32),
                               align=1)
-            xk = builder.load(_at(builder, x, builder.mul(x_step, _at_k(k)), b32),
+            xk = builder.load(_addr(builder, x, builder.mul(x_step, _at_k(k)), b32),
                               align=1)
             sums.append(_sign_dot(builder, wk, xk))
-        # [a01 a23 b01 b23 | a45 a67 b45 b67], then [a b c d | a b c d] partial sums
-        abcd = builder.call(hadd, [builder.call(hadd, sums[:2]),
-                                   builder.call(hadd, sums[2:])])
-        half = [builder.shuffle_vector(abcd, abcd, ir.Constant(_vec(_i32, 4), list(ks)))
-                for ks in (range(4), range(4, 8))]
-        s = builder.add(*half)
-        return context.make_tuple(builder, sig.return_type, [
-            builder.extract_element(s, ir.Constant(_i32, k)) for k in range(4)
-        ])
+        return context.make_tuple(builder, sig.return_type,
+                                  sum4_blocks(builder, hadd, sums))
 
     def typer(typingctx, w_addr, w_step, x_addr, x_step):
         a = types.intp
@@ -89,17 +83,17 @@ def _q8_0_lanes_intrinsic():
         b32, v8, fv8 = _vec(_i8, 32), _vec(_i32, 8), _vec(_f32, 8)
         s = [ir.Constant(v8, [0] * 8)] * R
         for g in range(8):  # bytes 4g..4g+3 of the block, all 8 tokens
-            x = builder.load(_at(builder, xs, 32 * g, b32), align=1)
+            x = builder.load(_addr(builder, xs, 32 * g, b32), align=1)
             for k in range(R):
-                wg = builder.load(_at(builder, ws[k], 4 * g, _i32), align=1)
-                wb = builder.bitcast(_bcast(builder, wg, _i32, 8), b32)
+                wg = builder.load(_addr(builder, ws[k], 4 * g, _i32), align=1)
+                wb = builder.bitcast(_splat(builder, wg, _i32, 8), b32)
                 s[k] = builder.add(s[k], _sign_dot(builder, wb, x))
-        xdv = builder.load(_at(builder, xd, 0, fv8), align=1)
+        xdv = builder.load(_addr(builder, xd, 0, fv8), align=1)
         for k in range(R):
             # as q8_0_kernel: (f16(d_w) * d_x) * float(s), then acc + that
-            term = builder.fmul(builder.fmul(_bcast(builder, ds[k], _f32, 8), xdv),
+            term = builder.fmul(builder.fmul(_splat(builder, ds[k], _f32, 8), xdv),
                                 builder.sitofp(s[k], fv8))
-            p = _at(builder, acc, builder.mul(acc_step, _at_k(k)), fv8)
+            p = _addr(builder, acc, builder.mul(acc_step, _at_k(k)), fv8)
             builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
         return context.get_dummy_value()
 
@@ -122,16 +116,7 @@ def q8_0_avx2_lanes_operands(xq: np.ndarray, xd: np.ndarray):
     [tiles, n/32, 8]), tiles = ceil(T / 8); token l of a tile in lane l, bytes
     4g..4g+3 of block b at [tile, b, g, l]; padding tokens are x = 0, d = 0.
     Mirrors ds4.c: nothing (ds4.c dots one token at a time)"""
-    T, n = xq.shape
-    L, nb = Q8_0_AVX2_LANES, n // 32
-    tiles = -(-T // L)
-    xp = np.zeros((tiles * L, n), np.int8)
-    xp[:T] = xq
-    xs = xp.view(np.uint32).reshape(tiles, L, nb, 8).transpose(0, 2, 3, 1)
-    dp = np.zeros((tiles * L, nb), np.float32)
-    dp[:T] = xd
-    xd8 = np.ascontiguousarray(dp.reshape(tiles, L, nb).transpose(0, 2, 1))
-    return np.ascontiguousarray(xs).view(np.int8).reshape(tiles, nb, 8, L, 4), xd8
+    return lanes_operands(xq, xd, Q8_0_AVX2_LANES, 32, biased=False)
 
 
 @njit(inline="always")

@@ -18,8 +18,11 @@ vec = ir.VectorType
 
 
 def _addr(builder, addr, offset, t):
-    """A t* to byte address addr + offset (an intp value, a constant)."""
-    return builder.inttoptr(builder.add(addr, ir.Constant(i64, offset)), t.as_pointer())
+    """A t* to byte address addr + offset (addr an intp value; offset an int or an i64
+    value)."""
+    if isinstance(offset, int):
+        offset = ir.Constant(i64, offset)
+    return builder.inttoptr(builder.add(addr, offset), t.as_pointer())
 
 
 def _splat(builder, v, t, count):
@@ -28,6 +31,19 @@ def _splat(builder, v, t, count):
         ir.Constant(vec(t, count), None), v, ir.Constant(i32, 0)
     )
     return builder.shuffle_vector(one, one, ir.Constant(vec(i32, count), [0] * count))
+
+
+def sum4_blocks(builder, hadd, sums):
+    """Four int32 [8] registers of partial sums (blocks a, b, c, d) -> their four
+    totals, as i32 values: two levels of vphaddd (`hadd`) give [a01 a23 b01 b23 |
+    a45 a67 b45 b67] and then [a b c d | a b c d] partial sums; one add of the two
+    halves."""
+    abcd = builder.call(hadd, [builder.call(hadd, sums[:2]),
+                               builder.call(hadd, sums[2:])])
+    half = [builder.shuffle_vector(abcd, abcd, ir.Constant(vec(i32, 4), list(ks)))
+            for ks in (range(4), range(4, 8))]
+    s = builder.add(*half)
+    return [builder.extract_element(s, ir.Constant(i32, k)) for k in range(4)]
 
 
 def _q8_0_dot4_intrinsic():
@@ -58,15 +74,8 @@ def _q8_0_dot4_intrinsic():
             sums.append(builder.call(
                 dpbusd, [ir.Constant(v8, [0] * 8), builder.xor(wk, flip), xk]
             ))
-        # [a01 a23 b01 b23 | a45 a67 b45 b67], then [a b c d | a b c d] partial sums
-        abcd = builder.call(hadd, [builder.call(hadd, sums[:2]),
-                                   builder.call(hadd, sums[2:])])
-        half = [builder.shuffle_vector(abcd, abcd, ir.Constant(vec(i32, 4), list(ks)))
-                for ks in (range(4), range(4, 8))]
-        s = builder.add(*half)
-        return context.make_tuple(builder, sig.return_type, [
-            builder.extract_element(s, ir.Constant(i32, k)) for k in range(4)
-        ])
+        return context.make_tuple(builder, sig.return_type,
+                                  sum4_blocks(builder, hadd, sums))
 
     def typer(typingctx, w_addr, w_step, x_addr, x_step):
         return types.UniTuple(types.int32, 4)(
@@ -151,16 +160,28 @@ def q8_0_lanes_operands(xq: np.ndarray, xd: np.ndarray):
     [tiles, n/32, 16]), tiles = ceil(T / 16); xu holds x + 128, token l of a tile in
     lane l, bytes 4g..4g+3 of block b at [tile, b, g, l]; padding tokens are x = 0.
     Mirrors ds4.c: nothing (ds4.c dots one token at a time)"""
-    T, n = xq.shape
-    nb, tiles = n // 32, -(-T // Q8_0_LANES)
-    xp = np.full((tiles * Q8_0_LANES, n), 0x80, np.uint8)
-    xp[:T] = xq.view(np.uint8) ^ np.uint8(0x80)
-    xu = xp.view(np.uint32).reshape(tiles, Q8_0_LANES, nb, 8).transpose(0, 2, 3, 1)
-    dp = np.zeros((tiles * Q8_0_LANES, nb), np.float32)
-    dp[:T] = xd
-    xd16 = dp.reshape(tiles, Q8_0_LANES, nb).transpose(0, 2, 1)
-    xu = np.ascontiguousarray(xu).view(np.uint8).reshape(tiles, nb, 8, Q8_0_LANES, 4)
-    return xu, np.ascontiguousarray(xd16)
+    return lanes_operands(xq, xd, Q8_0_LANES, 32, biased=True)
+
+
+def lanes_operands(q: np.ndarray, d: np.ndarray, lanes: int, block: int, biased: bool):
+    """The token-lanes layout of every lanes kernel (D.3b-D.3d): int8 codes q [T, n]
+    with per-block scales d float32 [T, n/block] -> (bytes [tiles, n/block, block/4,
+    lanes, 4], scales float32 [tiles, n/block, lanes]), tiles = ceil(T / lanes); token
+    l of a tile in lane l, bytes 4g..4g+3 of block b at [tile, b, g, l]. biased: the
+    bytes are uint8 q + 128 (the top bit flipped), else int8 q; padding tokens are
+    q = 0, d = 0.
+    Mirrors ds4.c: nothing (ds4.c dots one token at a time)"""
+    T, n = q.shape
+    nb, tiles = n // block, -(-T // lanes)
+    flip = np.uint8(0x80 if biased else 0)
+    xp = np.full((tiles * lanes, n), flip, np.uint8)
+    xp[:T] = q.view(np.uint8) ^ flip
+    xs = xp.view(np.uint32).reshape(tiles, lanes, nb, block // 4).transpose(0, 2, 3, 1)
+    dp = np.zeros((tiles * lanes, nb), np.float32)
+    dp[:T] = d
+    dl = np.ascontiguousarray(dp.reshape(tiles, lanes, nb).transpose(0, 2, 1))
+    xs = np.ascontiguousarray(xs).view(np.uint8 if biased else np.int8)
+    return xs.reshape(tiles, nb, block // 4, lanes, 4), dl
 
 
 @njit(inline="always")
