@@ -21,36 +21,22 @@ a model. Prints min time per variant and the median over rounds of the paired ra
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_ab import add_ab_args, paired_median, random_rows, stream_copies, time_variants  # noqa: E402
 
 ROWS, N = 2048, 4096  # ModelConfig.real(): n_ff_exp x n_embd of ffn_gate_exps / ffn_up_exps
 
 
-def iq2_xxs_weight(rng, rows: int, n: int) -> np.ndarray:
-    """Random IQ2_XXS rows (uint8 [rows, n/256 * 66]) with finite f16 d."""
-    raw = rng.integers(0, 256, (rows, n // 256 * 66), dtype=np.uint8)
-    blocks = raw.reshape(rows, -1, 66)
-    blocks[..., :2] = rng.uniform(-0.02, 0.02, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-    return raw
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", default="2,1")
-    ap.add_argument("--tokens", default="1,16,128")
+    add_ab_args(ap, threads="2,1", tokens="1,16,128")
     ap.add_argument("--no-portable", action="store_true", help="skip the (slow) portable kernel")
-    ap.add_argument("--min-seconds", type=float, default=0.05, help="per timing (repeats the call)")
-    ap.add_argument("--stream-mb", type=float, default=256,
-                    help="copies of the weights, used in turn, of this many MB in all, so that they come "
-                         "from memory as in a model, not from the L3 cache")
     args = ap.parse_args(argv)
 
     import numba
@@ -75,9 +61,8 @@ def main(argv=None) -> None:
         return nm.numba_matvec_iq2_xxs_pair_q8_K(w[0], w[1], a)
 
     rng = np.random.default_rng(0)
-    w = (iq2_xxs_weight(rng, ROWS, N), iq2_xxs_weight(rng, ROWS, N))
-    pair_bytes = w[0].nbytes + w[1].nbytes
-    copies = [w] + [(w[0].copy(), w[1].copy()) for _ in range(int(args.stream_mb * 2**20 // pair_bytes))]
+    w = (random_rows(rng, ROWS, N, 256, 66), random_rows(rng, ROWS, N, 256, 66))
+    copies = stream_copies(w, args.stream_mb)
     try:
         for threads in [int(t) for t in args.threads.split(",")]:
             numba.set_num_threads(threads)
@@ -86,26 +71,14 @@ def main(argv=None) -> None:
                 a = Q8KAct(qs, rng.uniform(0.001, 1, (T, N // 256)).astype(np.float32),
                            qs.reshape(T, -1, 16).astype(np.int32).sum(-1).astype(np.int16))
                 want = matvec_iq2_xxs_pair_q8_K(w[0], w[1], a) if T <= 16 else None
-                reps = {}
-                for v in variants:  # compile, check the bits, size the repeats
-                    got = call(v, w, a)
+                def check(v, got):
                     if want is not None:
                         assert all(np.array_equal(g, e) for g, e in zip(got, want)), (v, T)
-                    t0 = time.perf_counter()
-                    call(v, w, a)
-                    reps[v] = max(1, int(args.min_seconds / max(time.perf_counter() - t0, 1e-6)))
-                times = {v: [] for v in variants}
-                for _ in range(args.rounds):
-                    for v in variants:
-                        t0 = time.perf_counter()
-                        for i in range(reps[v]):
-                            call(v, copies[i % len(copies)], a)
-                        times[v].append((time.perf_counter() - t0) / reps[v])
-                ratios = {f"{v}/{base}": statistics.median(t / p for t, p in zip(times[v], times[base]))
+                times = time_variants(call, variants, copies, a, args, check)
+                ratios = {f"{v}/{base}": paired_median(times, v, base)
                           for v in variants if v != base}
                 if base != "one-tok":
-                    ratios["lanes/one-tok"] = statistics.median(
-                        t / p for t, p in zip(times["lanes"], times["one-tok"]))
+                    ratios["lanes/one-tok"] = paired_median(times, "lanes", "one-tok")
                 best = {v: min(t) for v, t in times.items()}
                 ms = "  ".join(f"{v} {t * 1e3:9.3f}" for v, t in best.items())
                 rs = "  ".join(f"{k} {r:.3f}" for k, r in ratios.items())

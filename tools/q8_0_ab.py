@@ -20,37 +20,23 @@ Not a test and writes no file.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_ab import add_ab_args, paired_median, random_rows, stream_copies, time_variants  # noqa: E402
 
 # wide-model Q8_0 shapes [rows x n]
 SHAPES = ((4096, 4096), (1024, 4096), (4096, 1024))
 
 
-def q8_0_weight(rng, rows: int, n: int) -> np.ndarray:
-    """Random Q8_0 rows (uint8 [rows, n/32 * 34]) with finite f16 scales."""
-    raw = rng.integers(0, 256, (rows, n // 32 * 34), dtype=np.uint8)
-    blocks = raw.reshape(rows, -1, 34)
-    blocks[..., :2] = rng.uniform(-0.02, 0.02, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-    return raw
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", default="2,1")
-    ap.add_argument("--tokens", default="1,128")
+    add_ab_args(ap, threads="2,1", tokens="1,128")
     ap.add_argument("--all-variants", action="store_true")
-    ap.add_argument("--min-seconds", type=float, default=0.05, help="per timing (repeats the call)")
-    ap.add_argument("--stream-mb", type=float, default=256,
-                    help="copies of each weight, used in turn, of this many MB in all, so that the "
-                         "weights come from memory as in a model's decode, not from the L3 cache")
     args = ap.parse_args(argv)
 
     import numba
@@ -74,27 +60,16 @@ def main(argv=None) -> None:
     for threads in [int(t) for t in args.threads.split(",")]:
         numba.set_num_threads(threads)
         for rows, n in SHAPES:
-            w = q8_0_weight(rng, rows, n)
-            copies = [w] + [w.copy() for _ in range(int(args.stream_mb * 2**20 // w.nbytes))]
+            w = random_rows(rng, rows, n, 32, 34)
+            copies = stream_copies(w, args.stream_mb)
             for T in [int(t) for t in args.tokens.split(",")]:
                 a = Q8Act(rng.integers(-128, 128, (T, n), dtype=np.int8),
                           rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32))
                 want = matvec_q8_0_prequant(w, a) if T * rows * n <= 1 << 31 else None
-                reps = {}
-                for v in variants:  # compile, check the bits, size the repeats
-                    got = call(v, w, a)
+                def check(v, got):
                     assert want is None or np.array_equal(got, want), (v, rows, n, T)
-                    t0 = time.perf_counter()
-                    call(v, w, a)
-                    reps[v] = max(1, int(args.min_seconds / max(time.perf_counter() - t0, 1e-6)))
-                times = {v: [] for v in variants}
-                for _ in range(args.rounds):
-                    for v in variants:
-                        t0 = time.perf_counter()
-                        for i in range(reps[v]):
-                            call(v, copies[i % len(copies)], a)
-                        times[v].append((time.perf_counter() - t0) / reps[v])
-                ratios = {v: statistics.median(t / p for t, p in zip(times[v], times["portable"]))
+                times = time_variants(call, variants, copies, a, args, check)
+                ratios = {v: paired_median(times, v, "portable")
                           for v in variants if v != "portable"}
                 rows_out.append((threads, f"{rows}x{n}", T, {v: min(t) for v, t in times.items()}, ratios))
                 print(_row(*rows_out[-1]), flush=True)
