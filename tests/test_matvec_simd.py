@@ -390,8 +390,8 @@ def test_q8_0_avx2_equals_plain_kernel_on_ds4_tensors(model, ops_A):
 
 
 def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
-    """numba_matvec_q8_0_prequant: VNNI where the CPU has it, else AVX2 (lanes from Q8_0_AVX2_LANES_MIN_T tokens
-    on, one token below), else q8_0_kernel; an activation code -128 goes to q8_0_kernel on the AVX2 path. Every
+    """numba_matvec_q8_0_prequant: VNNI where the CPU has it, else AVX2 (token lanes from the lanes threshold on,
+    row lanes below), else q8_0_kernel; an activation code -128 goes to q8_0_kernel on the AVX2 path. Every
     choice gives the numpy reference's bits."""
     rng = np.random.default_rng(9)
     raw = q8_0_rows(rng, 601, 16)
@@ -407,9 +407,9 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
             called.clear()
             assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a)), (T, minus_128)
             if "avx512vnni" in have:
-                want = nv.Q8_0_SIMD[1 if T >= nv.Q8_0_LANES_MIN_T else 0]
+                want = nv.Q8_0_SIMD[1] if T >= nv.Q8_0_LANES_MIN_T else nr.Q8_0_ROWS_VNNI
             elif "avx2" in have and not minus_128:
-                want = qa.Q8_0_AVX2[1 if T >= qa.Q8_0_AVX2_LANES_MIN_T else 0]
+                want = qa.Q8_0_AVX2[1] if T >= qa.Q8_0_AVX2_LANES_MIN_T else nr.Q8_0_ROWS_AVX2
             else:
                 want = nk.q8_0_kernel
             assert called == [want], (T, minus_128)
@@ -422,6 +422,72 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
         assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
         assert called == [qa.Q8_0_AVX2[1], nk.q8_0_kernel]
     assert qa.Q8_0_AVX2_LANES_MIN_T >= 2
+
+
+# Q8_0 decode in row lanes (appendix D, D.3e): 16 (VNNI) or 8 (AVX2) rows per register
+import ds4ref.backends.numba_rows as nr  # noqa: E402
+
+ROWS_CASES = [pytest.param(kernel, needs, marks=pytest.mark.skipif(
+    needs not in ns.host_simd(), reason=f"this CPU (or NUMBA_CPU_NAME) lacks {needs}: the row-lanes kernel "
+    "cannot run here"), id=needs) for kernel, needs in nr.Q8_0_ROWS_BYTE_DOT]
+
+
+def q8_0_rows_kernel(kernel, raw, a: Q8Act) -> np.ndarray:
+    out = np.full((len(a.qs), raw.shape[0]), np.nan, np.float32)
+    xc = 128 * a.qs.reshape(len(a.qs), -1, 32).sum(-1, dtype=np.int32)
+    nk.run_kernel(kernel, raw, np.ascontiguousarray(a.qs), np.ascontiguousarray(a.d), xc, nk.F16_TO_F32, out)
+    return out
+
+
+@pytest.mark.parametrize("kernel, needs", ROWS_CASES)
+@pytest.mark.parametrize("T", [1, 2, 3])
+def test_q8_0_rows_equal_plain_kernel(kernel, needs, T):
+    """Row lanes, rows with a remainder after the last tile of 16 / 8 (and fewer rows than one tile), blocks with
+    a remainder after the last group of 4, weights 30% -128 / 127, activations with -128 (VNNI) or +-127 (AVX2):
+    the same float32 bits as q8_0_kernel and the numpy reference, every output written."""
+    rng = np.random.default_rng(500 + T)
+    act = q8_0_act if needs == "avx512vnni" else q8_0_act_127
+    for rows, nb in ((5, 3), (37, 7), (613, 41), (64, 128)):
+        raw, a = q8_0_rows(rng, rows, nb), act(rng, T, nb)
+        want = q8_0_plain(raw, a)
+        assert np.array_equal(want, matvec_q8_0_prequant(raw, a))
+        assert np.array_equal(q8_0_rows_kernel(kernel, raw, a), want), (rows, nb)
+
+
+@pytest.mark.parametrize("kernel, needs", ROWS_CASES)
+def test_q8_0_rows_at_the_integer_extremes(kernel, needs):
+    """All weights -128 or 127 against activations at the extremes of each kernel's domain: exact block sums."""
+    low = -128 if needs == "avx512vnni" else -127
+    for wb, xv in ((0x80, low), (0x7F, low), (0x80, 127)):
+        raw = np.full((19, 5 * 34), wb, np.uint8)
+        raw.reshape(19, 5, 34)[..., :2] = np.array([0.5], np.float16).view(np.uint8)
+        a = Q8Act(np.full((2, 160), xv, np.int8), np.ones((2, 5), np.float32))
+        want = q8_0_plain(raw, a)
+        assert want[0, 0] == 5 * 0.5 * 32 * int(np.uint8(wb).view(np.int8)) * xv
+        assert np.array_equal(q8_0_rows_kernel(kernel, raw, a), want), (wb, xv)
+
+
+@pytest.mark.parametrize("kernel, needs", ROWS_CASES)
+def test_q8_0_rows_equal_plain_kernel_on_ds4_tensors(kernel, needs, model, ops_A):
+    """The oracle model's Q8_0 weights against ds4's recorded activations, one position at a time: q8_0_kernel's
+    bits, which the oracle tests tie to ds4.c's."""
+    _, w = model
+    for il in (0, 5):
+        for field, act in (("attn_q_a", "q8.attn_q_a"), ("attn_q_b", "q8.attn_q_b"),
+                           ("attn_output_b", "q8.attn_output_b"), ("ffn_down_shexp", "q8.ffn_down_shexp")):
+            k = f"L{il}.P{int(ops_A['positions'][0])}.{act}"
+            a = Q8Act(ops_A[k + ".qs"].reshape(1, -1), ops_A[k + ".d"].reshape(1, -1))
+            assert (a.qs != -128).all()
+            raw = np.ascontiguousarray(weight_rows(getattr(w.layers[il], field), nm.Q8_0))
+            assert np.array_equal(q8_0_rows_kernel(kernel, raw, a), q8_0_plain(raw, a)), (il, field)
+
+
+def test_q8_0_rows_follow_the_host_features(monkeypatch):
+    have = ns.host_simd()
+    assert (nr.Q8_0_ROWS_VNNI is not None) == ("avx512vnni" in have) == (nv.Q8_0_SIMD is not None)
+    assert (nr.Q8_0_ROWS_AVX2 is not None) == ("avx2" in have) == (qa.Q8_0_AVX2 is not None)
+    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    assert ns.simd_kernels(nr.Q8_0_ROWS_BYTE_DOT) == []
 
 
 # IQ2_XXS in lanes (appendix D, D.3c): each row decoded once, 8 (AVX2) or 16 (AVX-512) tokens per vector,
@@ -518,7 +584,92 @@ def test_iq2_backend_batches_take_the_lanes_kernel_with_the_same_bits(monkeypatc
     monkeypatch.setattr(nm, "IQ2_XXS_LANES", None)
     got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    assert called[-1] is nk.iq2_xxs_pair_kernel                    # the -128 code: not the one-token byte path
+    assert called[-1] is (nm.IQ2_XXS_TOKENS or nk.iq2_xxs_pair_kernel)  # the -128 code: not the one-token byte path
+    monkeypatch.setattr(nm, "IQ2_XXS_TOKENS", None)
+    got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert called[-1] is nk.iq2_xxs_pair_kernel
+
+
+# IQ2_XXS for a few tokens (appendix D, D.3f): each row decoded once, then dotted with each token
+NO_TOKENS = "this CPU (or NUMBA_CPU_NAME) lacks AVX2: the few-token IQ2_XXS kernel cannot run here"
+
+
+def iq2_tokens(wg, wu, qs, d):
+    g, u = np.full((len(qs), wg.shape[0]), np.nan, np.float32), np.full((len(qs), wg.shape[0]), np.nan, np.float32)
+    nk.run_kernel(ni.IQ2_XXS_TOKENS, wg, wu, ni.iq2_xxs_tokens_operand(qs), d, nk.IQ2XXS_GRID,
+                  ns.IQ2XXS_SIGN_MASKS, nk.F16_TO_F32, g, u)
+    return g, u
+
+
+@pytest.mark.skipif(ni.IQ2_XXS_TOKENS is None, reason=NO_TOKENS)
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 12])
+def test_iq2_tokens_equals_plain_kernel_on_extreme_blocks(T):
+    """80% of the up rows' index/sign/scale bytes 0xFF, activations mostly -128 or 127 (y + 128 up to 255): the
+    same float32 bits as iq2_xxs_pair_kernel, rows not a multiple of the 16 rows per task."""
+    rng = np.random.default_rng(700 + T)
+    wg, wu = iq2_xxs_rows(rng, 45, 2048), iq2_xxs_rows(rng, 45, 2048)
+    blocks = wu.reshape(45, -1, 66)
+    blocks[..., 2:] = np.where(rng.random(blocks[..., 2:].shape) < 0.8, np.uint8(0xFF), blocks[..., 2:])
+    qs = np.where(rng.random((T, 2048)) < 0.7, rng.choice(np.int8([-128, 127]), (T, 2048)),
+                  rng.integers(-128, 128, (T, 2048), dtype=np.int8)).astype(np.int8)
+    d = rng.uniform(0.001, 1, (T, 8)).astype(np.float32)
+    want = (np.empty((T, 45), np.float32), np.empty((T, 45), np.float32))
+    nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs, d, nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS, nk.F16_TO_F32, *want)
+    got = iq2_tokens(wg, wu, qs, d)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert np.abs(want[1]).max() > 0
+
+
+@pytest.mark.skipif(ni.IQ2_XXS_TOKENS is None, reason=NO_TOKENS)
+def test_iq2_tokens_equals_plain_kernel_on_ds4_experts(model, ops_A):
+    """The real expert gate/up weights against ds4's recorded Q8_K activations (a layer's recorded positions as
+    one batch, and the first alone): iq2_xxs_pair_kernel's bits."""
+    _, w = model
+    positions = [int(p) for p in ops_A["positions"]]
+    for il in (0, 2, 5):
+        keys = [f"L{il}.P{p}.q8k.ffn_gate_up_exps" for p in positions]
+        qs = np.stack([ops_A[k + ".qs"].reshape(-1) for k in keys])
+        d = np.stack([ops_A[k + ".d"].reshape(-1) for k in keys]).astype(np.float32)
+        e = int(ops_A[f"L{il}.P{positions[0]}.exp_ids"][0])
+        wg = np.ascontiguousarray(weight_rows(w.layers[il].ffn_gate_exps.expert(e), IQ2_XXS))
+        wu = np.ascontiguousarray(weight_rows(w.layers[il].ffn_up_exps.expert(e), IQ2_XXS))
+        for n in (1, len(qs)):
+            want = (np.empty((n, wg.shape[0]), np.float32), np.empty((n, wg.shape[0]), np.float32))
+            nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs[:n], d[:n], nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS,
+                          nk.F16_TO_F32, *want)
+            got = iq2_tokens(wg, wu, qs[:n], d[:n])
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (il, n)
+
+
+def test_iq2_dispatch_by_token_count(monkeypatch):
+    """numba_matvec_iq2_xxs_pair_q8_K: lanes from IQ2_XXS_LANES_MIN_T on, the few-token kernel from 2 tokens (and
+    for one token with a -128 code), the one-token byte path for one token without; always numpy's bits."""
+    rng = np.random.default_rng(17)
+    wg, wu = iq2_xxs_rows(rng, 300, 512), iq2_xxs_rows(rng, 300, 512)
+    called = []
+    real_run = nm.run_kernel
+    monkeypatch.setattr(nm, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
+    assert 2 < ni.IQ2_XXS_LANES_MIN_T
+    for T, minus_128 in ((1, False), (1, True), (2, False), (ni.IQ2_XXS_LANES_MIN_T - 1, True),
+                         (ni.IQ2_XXS_LANES_MIN_T, False)):
+        a = quantize_q8_K(rng.standard_normal((T, 512)).astype(np.float32))
+        if minus_128:
+            a.qs[0, 3] = -128
+        called.clear()
+        want = NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
+        got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (T, minus_128)
+        if nm.IQ2_XXS_LANES is not None and T >= ni.IQ2_XXS_LANES_MIN_T:
+            expect = nm.IQ2_XXS_LANES[0]
+        elif nm.IQ2_XXS_TOKENS is not None and (T > 1 or minus_128):
+            expect = nm.IQ2_XXS_TOKENS
+        elif nm.IQ2_XXS_SIMD is not None and not minus_128:
+            expect = nm.IQ2_XXS_SIMD
+        else:
+            expect = nk.iq2_xxs_pair_kernel
+        assert called == [expect], (T, minus_128)
+    assert (ni.IQ2_XXS_TOKENS is not None) == ("avx2" in ns.host_simd())
 
 
 def test_iq2_lanes_follow_the_host_features(monkeypatch):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The IQ2_XXS gate/up pair kernels side by side, in one process: portable, AVX2 one-token, lanes.
+"""The IQ2_XXS gate/up pair kernels side by side, in one process: portable, AVX2 one-token, few-token, lanes.
 
 Every row is one (threads, tokens) case on the wide model's routed-expert shape (gate and up
 [n_ff_exp = 2048 rows x n_embd = 4096], one expert); each round times every variant of the row once, in
@@ -8,15 +8,16 @@ turn, so that a noisy moment of the machine touches them all. Variants (all thro
 
   portable  iq2_xxs_pair_kernel (IQ2_XXS_SIMD and IQ2_XXS_LANES forced to None)
   one-tok   IQ2_XXS_SIMD (AVX2 byte dots, each row decoded again for every token) for every T
+  tokens    IQ2_XXS_TOKENS (each row decoded once, then dotted with each token) for every T >= 2
   lanes     IQ2_XXS_LANES (each row decoded once, 8 or 16 tokens per vector) for every T
-  own       the matvec's own choice (IQ2_XXS_LANES_MIN_T decides one-token vs lanes)
+  own       the matvec's own choice (one-token for T = 1, few-token below IQ2_XXS_LANES_MIN_T, lanes)
 
 Each timing cycles through copies of the weights (--stream-mb) so that they stream from memory, as in
 a model. Prints min time per variant and the median over rounds of the paired ratio variant / portable
 (and lanes / one-tok). Not a test and writes no file.
 
     python tools/iq2_xxs_ab.py                              # T = 1, 16, 128; 2 and 1 threads
-    python tools/iq2_xxs_ab.py --tokens 1,2,3,4,6,8 --no-portable
+    python tools/iq2_xxs_ab.py --tokens 1,2,3,4,6,8,12 --no-portable
 """
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ def main(argv=None) -> None:
 
     if nm.IQ2_XXS_SIMD is None or nm.IQ2_XXS_LANES is None:
         sys.exit("this CPU (or NUMBA_CPU_NAME) has no AVX2: nothing to compare")
-    own = (nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T)
-    variants = {"portable": (None, None, 1 << 30), "one-tok": (own[0], None, 1 << 30),
-                "lanes": (own[0], own[1], 1), "own": own}
+    own = (nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T, nm.IQ2_XXS_TOKENS)
+    variants = {"portable": (None, None, 1 << 30, None),
+                "one-tok": (own[0], None, 1 << 30, None),
+                "tokens": (own[0], None, 1 << 30, own[3]),
+                "lanes": (own[0], own[1], 1, None), "own": own}
     if args.no_portable:
         del variants["portable"]
     base = next(iter(variants))
@@ -57,7 +60,8 @@ def main(argv=None) -> None:
           f"IQ2_XXS_LANES_MIN_T = {own[2]}")
 
     def call(variant, w, a):
-        nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T = variants[variant]
+        (nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T,
+         nm.IQ2_XXS_TOKENS) = variants[variant]
         return nm.numba_matvec_iq2_xxs_pair_q8_K(w[0], w[1], a)
 
     rng = np.random.default_rng(0)
@@ -84,7 +88,7 @@ def main(argv=None) -> None:
                 rs = "  ".join(f"{k} {r:.3f}" for k, r in ratios.items())
                 print(f"{threads}t  T={T:<4d} ms: {ms}   {rs}", flush=True)
     finally:
-        nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T = own
+        nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T, nm.IQ2_XXS_TOKENS = own
     print("\nmin ms per call; ratio = median over rounds of (variant / reference), < 1: faster")
 
 

@@ -265,6 +265,89 @@ IQ2_XXS_LANES_BYTE_DOT = (
 )
 # the numba matvec's choice, (kernel, lanes); None: the one-token kernels only
 IQ2_XXS_LANES = (simd_kernels(IQ2_XXS_LANES_BYTE_DOT) or [None])[0]
-# from this many tokens on, the numba matvec takes the lanes kernel (fewer: the
-# one-token kernels); see tools/iq2_xxs_ab.py
-IQ2_XXS_LANES_MIN_T = 3
+# from this many tokens on, the numba matvec takes the lanes kernel (fewer: D.3f's
+# few-token kernel, or the one-token kernels); see tools/iq2_xxs_ab.py
+IQ2_XXS_LANES_MIN_T = 8
+
+
+def _iq2_xxs_token_dot_intrinsic():
+    """An intrinsic (q_addr, sc_addr, x_addr) -> int32: sum_g sc_g sum_{e in g} q_e x_e
+    for one decoded IQ2_XXS block (q int8 [256], sc int32 [8] from _iq2_xxs_decode_256)
+    and 256 unsigned activation bytes x = y + 128; with AVX2, one vpmaddubsw and one
+    vpmaddwd by the group scale per group of 32.
+    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889, its sum over a block)"""
+    b32, h16, v8 = _vec(_i8, 32), _vec(_i16, 16), _vec(_i32, 8)
+
+    def codegen(context, builder, sig, args):
+        q, sc, x = args
+        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
+        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
+        reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", _i32, [v8])
+        acc = ir.Constant(v8, [0] * 8)
+        for g in range(8):
+            pairs = builder.call(maddubs, [
+                builder.load(_addr(builder, x, 32 * g, b32), align=1),
+                builder.load(_addr(builder, q, 32 * g, b32), align=1)])
+            scale = builder.load(_addr(builder, sc, 4 * g, _i32), align=4)
+            s16 = _splat(builder, builder.trunc(scale, _i16), _i16, 16)
+            acc = builder.add(acc, builder.call(maddwd, [pairs, s16]))
+        return builder.call(reduce, [acc])
+
+    def typer(typingctx, q_addr, sc_addr, x_addr):
+        a = types.intp
+        return types.int32(a, a, a), codegen
+    typer.__name__ = typer.__qualname__ = "_iq2_xxs_token_dot_256"
+    return intrinsic(typer)
+
+
+_iq2_xxs_token_dot = _iq2_xxs_token_dot_intrinsic()
+
+
+@njit(inline="always")
+def _iq2_xxs_tokens_rows(wg, wu, task, xu, yd, ga, ma, lut, out_g, out_u):
+    """Rows 16 task .. 16 task + 15 of the gate and up weights: each pair of rows
+    decoded once, then dotted with every token block by block; (1/8) acc as in
+    _iq2_xxs_row."""
+    nb = wg.shape[1] // 66
+    q = np.empty((2, nb, 256), np.int8)        # gate (k = 0) and up (k = 1), decoded
+    sc = np.empty((2, nb, 8), np.int32)
+    c = np.empty((2, nb), np.int32)
+    d = np.empty((2, nb), np.float32)
+    qa, sa = q.ctypes.data, sc.ctypes.data
+    r0 = task * IQ2_XXS_LANES_ROWS
+    for r in range(r0, min(r0 + IQ2_XXS_LANES_ROWS, wg.shape[0])):
+        _iq2_xxs_decode_row(wg, r, ga, ma, q, sc, c, d, 0, lut)
+        _iq2_xxs_decode_row(wu, r, ga, ma, q, sc, c, d, 1, lut)
+        for t in range(xu.shape[0]):
+            xr = xu.ctypes.data + t * xu.strides[0]
+            acc_g, acc_u = np.float32(0.0), np.float32(0.0)
+            for b in range(nb):
+                bg = _iq2_xxs_token_dot(qa + 256 * b, sa + 32 * b, xr + 256 * b)
+                bu = _iq2_xxs_token_dot(qa + 256 * (nb + b), sa + 32 * (nb + b),
+                                        xr + 256 * b)
+                acc_g += (d[0, b] * yd[t, b]) * np.float32(np.int32(bg - c[0, b]))
+                acc_u += (d[1, b] * yd[t, b]) * np.float32(np.int32(bu - c[1, b]))
+            out_g[t, r] = np.float32(0.125) * acc_g
+            out_u[t, r] = np.float32(0.125) * acc_u
+
+
+@njit(parallel=True, cache=True)
+def iq2_xxs_pair_tokens_kernel(wg, wu, xu, yd, grid, masks, lut, out_g, out_u):
+    """As iq2_xxs_pair_kernel on the activation stored as xu = y + 128 (uint8 [T, n],
+    rows contiguous; masks: IQ2XXS_SIGN_MASKS): each row's blocks decoded once, then
+    dotted with each token by AVX2 byte dots.
+    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
+    ga, ma = grid.ctypes.data, masks.ctypes.data
+    for task in prange(-(-wg.shape[0] // IQ2_XXS_LANES_ROWS)):
+        _iq2_xxs_tokens_rows(wg, wu, task, xu, yd, ga, ma, lut, out_g, out_u)
+
+
+def iq2_xxs_tokens_operand(yq: np.ndarray) -> np.ndarray:
+    """The activation codes of iq2_xxs_pair_tokens_kernel: int8 [T, n] -> y + 128 as
+    uint8 [T, n] (the top bit flipped).
+    Mirrors ds4.c: nothing (ds4.c dots signed bytes)"""
+    return np.ascontiguousarray(yq).view(np.uint8) ^ np.uint8(0x80)
+
+
+# the few-token kernel and what it needs; None: the one-token kernels only
+IQ2_XXS_TOKENS = (simd_kernels(((iq2_xxs_pair_tokens_kernel, "avx2"),)) or [None])[0]

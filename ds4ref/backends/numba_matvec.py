@@ -20,7 +20,9 @@ from ds4ref.backends.numba_kernels import (
 from ds4ref.backends.numba_iq2 import (
     IQ2_XXS_LANES,
     IQ2_XXS_LANES_MIN_T,
+    IQ2_XXS_TOKENS,
     iq2_xxs_lanes_operands,
+    iq2_xxs_tokens_operand,
 )
 from ds4ref.backends.numba_simd import (
     IQ2_XXS_SIMD,
@@ -37,6 +39,7 @@ from ds4ref.backends.numba_vnni import (
     Q8_0_SIMD,
     q8_0_lanes_operands,
 )
+from ds4ref.backends.numba_rows import Q8_0_ROWS_AVX2, Q8_0_ROWS_VNNI
 from ds4ref.matvec import (
     MatvecError,
     float_input,
@@ -57,24 +60,32 @@ def _rows(w, ggml_type: int) -> np.ndarray:
     return np.ascontiguousarray(weight_rows(w, ggml_type))
 
 
+def _q8_0_few(kernel, raw, xq, xd, out) -> None:
+    """out = the Q8_0 matvec of a few tokens by a one-token or row-lanes kernel (their
+    shared signature), with the 128 sum x corrections computed once.
+    Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
+    xq, xd = np.ascontiguousarray(xq), np.ascontiguousarray(xd)
+    xc = 128 * xq.reshape(len(xq), -1, 32).sum(-1, dtype=np.int32)
+    run_kernel(kernel, raw, xq, xd, xc, F16_TO_F32, out, rows=out.shape[1])
+
+
 def _q8_0_vnni(raw, xq, xd, out) -> None:
-    """out = the Q8_0 matvec by Q8_0_SIMD's VNNI kernels: 16-token lanes from
-    Q8_0_LANES_MIN_T tokens on, else one token at a time.
+    """out = the Q8_0 matvec by the VNNI kernels: 16-token lanes from
+    Q8_0_LANES_MIN_T tokens on, else D.3e's 16 rows in lanes, token by token.
     Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
     T, rows = out.shape
     if T >= Q8_0_LANES_MIN_T:  # the activation repacked once, 16 tokens per vector
         xu, xd16 = q8_0_lanes_operands(xq, xd)
         run_kernel(Q8_0_SIMD[1], raw, xu, xd16, T, F16_TO_F32, out, rows=rows)
-    else:  # one token at a time, with the 128 sum x corrections computed once
-        xq, xd = np.ascontiguousarray(xq), np.ascontiguousarray(xd)
-        xc = 128 * xq.reshape(T, -1, 32).sum(-1, dtype=np.int32)
-        run_kernel(Q8_0_SIMD[0], raw, xq, xd, xc, F16_TO_F32, out, rows=rows)
+    else:
+        _q8_0_few(Q8_0_ROWS_VNNI, raw, xq, xd, out)
 
 
 def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
-    """As ds4ref.matvec.matvec_q8_0_prequant, by Q8_0_SIMD's VNNI kernels where the CPU
-    has them; else by Q8_0_AVX2's kernels where it has AVX2 and no activation code is
-    -128 (8-token lanes from Q8_0_AVX2_LANES_MIN_T tokens on); else q8_0_kernel.
+    """As ds4ref.matvec.matvec_q8_0_prequant, by the VNNI kernels where the CPU has
+    them; else by the AVX2 kernels where it has AVX2 and no activation code is -128
+    (8-token lanes from Q8_0_AVX2_LANES_MIN_T tokens on, 8 rows in lanes below); else
+    q8_0_kernel.
     Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
     raw = _rows(w, Q8_0)
     (xq, xd), lead = q8_0_fields(a, row_elements(raw, Q8_0))
@@ -87,9 +98,8 @@ def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
     elif T >= Q8_0_AVX2_LANES_MIN_T:  # repacked once, 8 tokens per vector
         xs, xd8 = q8_0_avx2_lanes_operands(xq, xd)
         run_kernel(Q8_0_AVX2[1], raw, xs, xd8, T, F16_TO_F32, out, rows=rows)
-    else:  # one token at a time
-        xq, xd = np.ascontiguousarray(xq), np.ascontiguousarray(xd)
-        run_kernel(Q8_0_AVX2[0], raw, xq, xd, F16_TO_F32, out, rows=rows)
+    else:  # a few tokens, 8 rows per register (D.3e)
+        _q8_0_few(Q8_0_ROWS_AVX2, raw, xq, xd, out)
     return out.reshape(lead + (rows,))
 
 
@@ -160,8 +170,9 @@ def numba_matvec_q4_K_q8_K(w, a) -> np.ndarray:
 
 def numba_matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
     """As ds4ref.matvec.matvec_iq2_xxs_pair_q8_K: from IQ2_XXS_LANES_MIN_T tokens on by
-    the lanes kernel IQ2_XXS_LANES where the CPU has one, else by IQ2_XXS_SIMD where
-    the CPU has byte dot products, else iq2_xxs_pair_kernel.
+    the lanes kernel IQ2_XXS_LANES where the CPU has one; for 2 or more tokens, or one
+    with a -128 code, by the few-token kernel IQ2_XXS_TOKENS; else by IQ2_XXS_SIMD
+    where the CPU has byte dot products; else iq2_xxs_pair_kernel.
 
     Mirrors ds4.c: matvec_iq2_xxs_pair_worker (l. 3836)"""
     g_raw, u_raw = _rows(w_gate, IQ2_XXS), _rows(w_up, IQ2_XXS)
@@ -178,6 +189,10 @@ def numba_matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
         xu, ydl = iq2_xxs_lanes_operands(np.ascontiguousarray(yq), yd, lanes)
         run_kernel(kernel, g_raw, u_raw, xu, ydl, T, IQ2XXS_GRID, IQ2XXS_SIGN_MASKS,
                    F16_TO_F32, g, u, rows=rows)
+    # each row decoded once, then dotted with each token (D.3f); any code, -128 too
+    elif IQ2_XXS_TOKENS is not None and (T > 1 or (yq == -128).any()):
+        run_kernel(IQ2_XXS_TOKENS, g_raw, u_raw, iq2_xxs_tokens_operand(yq), yd,
+                   IQ2XXS_GRID, IQ2XXS_SIGN_MASKS, F16_TO_F32, g, u, rows=rows)
     # the one-token byte path negates int8 activations
     elif IQ2_XXS_SIMD is not None and not (yq == -128).any():
         run_kernel(

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The Q8_0 decode kernels side by side, in one process: one row at a time (D.3b, D.3d) against rows in
+lanes (D.3e), with VNNI and with AVX2, as far as this CPU has them.
+
+Every row is one (threads, shape) case at one token, on the wide model's Q8_0 shapes; each round times every
+variant once, in turn, so that a noisy moment of the machine touches them all. Variants (the kernels
+themselves, on the same weights and activation):
+
+  vnni-1    q8_0_vnni_kernel        (one row at a time, four blocks per VNNI call)
+  vnni-16   q8_0_rows_vnni_kernel   (16 rows per register)
+  avx2-1    q8_0_avx2_kernel        (one row at a time, AVX2 byte dots)
+  avx2-8    q8_0_rows_avx2_kernel   (8 rows per register)
+
+Each timing cycles through copies of the weight (--stream-mb) so that they stream from memory, as in a
+decode step. Prints the best GB/s per variant and the median over rounds of the paired ratio
+variant / the first variant. Not a test and writes no file.
+
+    python tools/q8_0_rows_ab.py                  # 2 and 1 threads, 5 rounds
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_ab import add_ab_args, paired_median, random_rows, stream_copies, time_variants  # noqa: E402
+
+# wide-model Q8_0 shapes [rows x n]: attn_output_b, attn_q_b, ffn_gate_shexp
+SHAPES = ((4096, 8192), (32768, 1024), (2048, 4096))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_ab_args(ap, threads="2,1", tokens="1")
+    args = ap.parse_args(argv)
+
+    import numba
+    from ds4ref.backends.numba_kernels import F16_TO_F32, q8_0_kernel, run_kernel
+    from ds4ref.backends.numba_q8avx2 import q8_0_avx2_kernel
+    from ds4ref.backends.numba_rows import q8_0_rows_avx2_kernel, q8_0_rows_vnni_kernel
+    from ds4ref.backends.numba_simd import host_simd
+    from ds4ref.backends.numba_vnni import q8_0_vnni_kernel
+
+    have = host_simd()
+    kernels = {}
+    if "avx512vnni" in have:
+        kernels |= {"vnni-1": q8_0_vnni_kernel, "vnni-16": q8_0_rows_vnni_kernel}
+    if "avx2" in have:
+        kernels |= {"avx2-1": q8_0_avx2_kernel, "avx2-8": q8_0_rows_avx2_kernel}
+    if not kernels:
+        sys.exit("this CPU (or NUMBA_CPU_NAME) has neither AVX2 nor AVX-512 VNNI: nothing to compare")
+    base = next(iter(kernels))
+
+    def call(variant, w, a):
+        xq, xd, xc = a
+        out = np.empty((len(xq), w.shape[0]), np.float32)
+        k = kernels[variant]
+        if k is q8_0_avx2_kernel:
+            run_kernel(k, w, xq, xd, F16_TO_F32, out, rows=w.shape[0])
+        else:
+            run_kernel(k, w, xq, xd, xc, F16_TO_F32, out, rows=w.shape[0])
+        return out
+
+    rng = np.random.default_rng(0)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        numba.set_num_threads(threads)
+        for rows, n in SHAPES:
+            w = random_rows(rng, rows, n, 32, 34)
+            copies = stream_copies(w, args.stream_mb)
+            for T in [int(t) for t in args.tokens.split(",")]:
+                xq = rng.integers(-127, 128, (T, n), dtype=np.int8)  # no -128: AVX2's domain
+                xd = rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32)
+                xc = 128 * xq.reshape(T, -1, 32).sum(-1, dtype=np.int32)
+                want = np.empty((T, rows), np.float32)
+                run_kernel(q8_0_kernel, w, xq, xd, F16_TO_F32, want)
+
+                def check(v, got):
+                    assert np.array_equal(got, want), (v, rows, n, T)
+                times = time_variants(call, kernels, copies, (xq, xd, xc), args, check)
+                gbs = "  ".join(f"{v} {w.nbytes / min(t) / 1e9:5.1f}" for v, t in times.items())
+                rs = "  ".join(f"{v}/{base} {paired_median(times, v, base):.2f}"
+                               for v in kernels if v != base)
+                print(f"{threads}t  {rows:>5d}x{n:<5d} T={T}  GB/s: {gbs}   {rs}", flush=True)
+    print("\nbest GB/s of weights read per variant; ratio = median over rounds of the paired times, < 1: faster")
+
+
+if __name__ == "__main__":
+    main()
