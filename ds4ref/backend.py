@@ -23,7 +23,7 @@ from ds4ref.matvec import (
 from ds4ref.gguf import DS4RefError
 from ds4ref.ops import attention_rows, routed_experts_down, routed_experts_mid
 from ds4ref.quant import F16, F32, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPE_NAMES, Q8Act
-from ds4ref.quant import quantize_q8_0
+from ds4ref.quant import quantize_q8_0, quantize_q8_K
 
 
 class BackendError(DS4RefError, ValueError):
@@ -49,6 +49,12 @@ class Backend(Protocol):
 
     def device_forward(self, cfg, weights, ctx_size: int):
         """A chapter-8 DeviceForward over weights uploaded once, or None."""
+
+    def quantize_q8_0(self, x) -> Q8Act:
+        """Host glue, not an op: chapter 2's Q8_0 activation of float32 x [..., n]."""
+
+    def quantize_q8_K(self, x):
+        """Host glue, not an op: chapter 2's Q8_K activation of float32 x [..., n]."""
 
     def matvec_q8_0(self, w, x) -> np.ndarray:
         """Q8_0 W [rows, n] times float32 x [..., n], quantized first -> [..., rows]."""
@@ -90,6 +96,8 @@ OPS = (
     "routed_experts_mid",
     "routed_experts_down",
 )
+# host glue every backend has (numpy's by default; exact, so never refused when strict)
+GLUE = ("quantize_q8_0", "quantize_q8_K")
 # the same conventions, not called by the model (tests and benchmarks use them)
 EXTRA_OPS = ("matvec_iq2_xxs_q8_K", "matvec_q4_K_q8_K")
 # ops that NumpyBackend builds from others: a backend with those parts runs them itself
@@ -147,6 +155,10 @@ class NumpyBackend:
     matvec_q4_K_q8_K = staticmethod(matvec_q4_K_q8_K)
     # sink attention over the cache rows (chapter 5)
     attention_rows = staticmethod(attention_rows)
+    # host glue, not ops: chapter 2's exact activation quantizers (a backend may replace
+    # them with code that gives the same bits)
+    quantize_q8_0 = staticmethod(quantize_q8_0)
+    quantize_q8_K = staticmethod(quantize_q8_K)
     # the expert types this class's fused routed_experts_* run itself (None: all)
     expert_types: dict = {"routed_experts_mid": None, "routed_experts_down": None}
 
@@ -168,7 +180,8 @@ class NumpyBackend:
         """y = W Q8_0(x): quantize x as ds4.c does, then this backend's integer matvec
         (matvec_q8_0_prequant), so a subclass only overrides the prequant kernel.
         Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
-        return self.matvec_q8_0_prequant(w, quantize_q8_0(np.asarray(x, np.float32)))
+        a = self.quantize_q8_0(np.asarray(x, np.float32))
+        return self.matvec_q8_0_prequant(w, a)
 
     def project(self, w, x) -> np.ndarray:
         """y = W x through the matvec of W's type (PROJECT_OPS): Q8_0 quantizes x (or

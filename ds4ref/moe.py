@@ -60,7 +60,7 @@ def shared_ffn_one(cfg, lw, f, be=NUMPY, trace=NO_TRACE):
     Mirrors ds4.c: layer_shared_ffn_one (l. 5108)"""
     f = np.asarray(f, np.float32)
     # one int8 activation for gate and up
-    a = quantize_q8_0(f)
+    a = be.quantize_q8_0(f)
     _trace_quant(trace, "q8.ffn_gate_shexp", a)
     # [..., n_ff]
     g = be.project(lw.ffn_gate_shexp, a)
@@ -221,13 +221,13 @@ def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=No
     if f.shape != (cfg.n_embd,):
         raise MoEError(f"routed_moe_one: f must be [{cfg.n_embd}], got {list(f.shape)}")
     gate_w, up_w, down_w = _expert_tensors(lw)
-    xq = quantize_q8_K(f)
+    xq = be.quantize_q8_K(f)
     _trace_quant(trace, "q8k.ffn_gate_up_exps", xq)
     sel, weights = select_experts(cfg, lw, f, token, be, trace, force_experts)
 
     # [6, n_ff]
     mid = be.routed_experts_mid(gate_w, up_w, sel, weights, xq, cfg.swiglu_clamp)
-    midq = quantize_q8_K(mid)  # one Q8_K row per slot
+    midq = be.quantize_q8_K(mid)  # one Q8_K row per slot
     moe = be.routed_experts_down(down_w, sel, midq)  # [n_embd]
 
     if trace is not NO_TRACE:  # the per-expert vectors, for the record only
@@ -307,7 +307,7 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=NO_TRACE, force_experts
                        f"got {list(F.shape)} and {list(tokens.shape)}")
     gate_w, up_w, down_w = _expert_tensors(lw)
     T, k = F.shape[0], cfg.n_expert_used
-    xq = quantize_q8_K(F)  # [T, n_embd] int8 rows
+    xq = be.quantize_q8_K(F)  # [T, n_embd] int8 rows
     _trace_quant(trace, "q8k.ffn_gate_up_exps", xq)
     # [T, k]
     sel, weights = select_experts(cfg, lw, F, tokens, be, trace, force_experts)
@@ -325,7 +325,7 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=NO_TRACE, force_experts
             gate_w.expert(int(e)), up_w.expert(int(e)), q8k_rows(xq, t)
         )
     mid = (swiglu(gate, up, cfg.swiglu_clamp) * weights[..., None]).astype(np.float32)
-    midq = quantize_q8_K(mid)                                        # [T, k, n_ff]
+    midq = be.quantize_q8_K(mid)                                     # [T, k, n_ff]
     down = np.empty((T, k, cfg.n_embd), np.float32)
     for e in np.unique(expert_of):
         p = np.flatnonzero(expert_of == e)

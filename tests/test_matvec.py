@@ -7,7 +7,7 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from ds4ref.backend import (COMPOSED, EXTRA_OPS, NUMPY, OPS, Backend, BackendError, NumpyBackend,
+from ds4ref.backend import (COMPOSED, EXTRA_OPS, GLUE, NUMPY, OPS, Backend, BackendError, NumpyBackend,
                             UnimplementedOpError, coverage)
 from ds4ref.backends import get_backend
 from ds4ref.backends.numba_backend import NumbaBackend
@@ -350,9 +350,9 @@ def test_the_contract_names_what_the_model_calls():
     from pathlib import Path
     import ds4ref
     members = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
-    # the contract's second half (chapter 8's resident engines) is the one member not an op
+    # the contract's second half (chapter 8's resident engines) and the host glue are the members not ops
     assert members[0] == "device_forward" and "has_device_forward" in Backend.__annotations__
-    assert tuple(members[1:]) == OPS and not set(OPS) & set(EXTRA_OPS)
+    assert tuple(members[1:3]) == GLUE and tuple(members[3:]) == OPS and not set(OPS) & set(EXTRA_OPS)
     called = set()
     for path in Path(ds4ref.__file__).parent.glob("*.py"):
         if path.name not in ("backend.py", "bench.py", "bench_engine.py"):
@@ -361,8 +361,9 @@ def test_the_contract_names_what_the_model_calls():
     from ds4ref.backend import EXPERT_OPS, PROJECT_OPS
     # check_weights, strict, device_forward: at open
     dispatch = {"project", "expert_pair", "expert_matvec", "check_weights", "strict", "device_forward"}
-    assert {"project", "expert_pair", "expert_matvec", "check_weights"} <= called and called - dispatch <= set(OPS), called - dispatch - set(OPS)
-    reachable = (called - dispatch) | set(PROJECT_OPS.values()) | set(EXPERT_OPS.values()) | {
+    assert {"project", "expert_pair", "expert_matvec", "check_weights"} <= called
+    assert set(GLUE) <= called and called - dispatch - set(GLUE) <= set(OPS), called - dispatch - set(OPS)
+    reachable = (called - dispatch - set(GLUE)) | set(PROJECT_OPS.values()) | set(EXPERT_OPS.values()) | {
         "matvec_q8_0_prequant", "matvec_iq2_xxs_pair_q8_K"}      # project(w, Q8Act); expert_pair on IQ2_XXS
     assert set(OPS) <= reachable, set(OPS) - reachable
     assert isinstance(NUMPY, Backend) and isinstance(NUMBA, Backend)
@@ -459,3 +460,32 @@ def test_non_finite_values_propagate_as_documented(be, model):
     raw[5, 0:2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)      # row 5, block 0 scale
     y = be.matvec_q8_0_prequant(raw, quantize_q8_0(np.ones(256, np.float32)))
     assert np.isnan(y[5]) and np.isfinite(np.delete(y, 5)).all()
+
+
+def test_numba_glue_gives_chapter_2s_bits_and_errors():
+    """The numba backend's activation quantizers (host glue, appendix D.3g) against chapter 2's on random batches
+    with zero blocks, ties, a negative largest element and a float32 factor that overflows; the same QuantError
+    on NaN / inf and on a Q8_K length that is not a multiple of 256; a Q8_0 length not a multiple of 32 padded as
+    chapter 2 pads it."""
+    from ds4ref.quant import QuantError, quantize_q8_0, quantize_q8_K
+    rng = np.random.default_rng(41)
+    x = rng.standard_normal((2, 3, 512)).astype(np.float32)
+    x[0, 0, :256] = 0.0
+    x[0, 1, 5] = -9.0
+    x[1, 0, :32] = np.arange(32) - 15.5
+    x[1, 0, 31] = 127.0
+    x[1, 2, 256:] *= np.float32(1e-39)
+    for got, want in ((NUMBA.quantize_q8_0(x), quantize_q8_0(x)), (NUMBA.quantize_q8_K(x), quantize_q8_K(x)),
+                      (NUMBA.quantize_q8_0(x[0, 0, :100]), quantize_q8_0(x[0, 0, :100]))):
+        assert type(got) is type(want)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
+    assert (quantize_q8_0(x).qs[1, 0, :31] == np.rint(np.arange(32) - 15.5)[:31]).all()  # the ties, to even
+    bad = x.copy()
+    bad[1, 1, 7] = np.nan
+    for f in (NUMBA.quantize_q8_0, NUMBA.quantize_q8_K):
+        with pytest.raises(QuantError, match="1 NaN/inf value"):
+            f(bad)
+    with pytest.raises(QuantError, match="not a multiple of 256"):
+        NUMBA.quantize_q8_K(x[..., :300])
+    assert NUMBA.quantize_q8_0 is not NUMPY.quantize_q8_0 and "quantize_q8_0" not in OPS

@@ -50,6 +50,8 @@ from ds4ref.backends.numba_simd import (
     simd_kernels,
 )
 from ds4ref.quant import quantize_q8_K
+# D.3g's activation quantizers
+from ds4ref.backends.numba_glue import numba_quantize_q8_0, numba_quantize_q8_K
 
 def choose_threading_layer() -> str:
     """numba's threading layer for this process: NUMBA_THREADING_LAYER if set, else
@@ -175,10 +177,11 @@ EXPERTS_DOWN_SIMD = (
 )[0]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
 def sink_attention_kernel(q, kv, sinks, allowed, scale, out):
     """Sink attention of q [H, D] over kv [R, D] (K = V), rows with allowed[r] == 0
-    skipped; parallel over heads.
+    skipped; parallel over heads. Reassociation allowed (the dot products in SIMD
+    registers, as ds4.c's -ffast-math build may).
 
     Mirrors ds4.c: layer_attention_rows_one (l. 4969)"""
     H, D = q.shape
@@ -236,6 +239,9 @@ class NumbaBackend(NumpyBackend):
     matvec_iq2_xxs_q8_K = staticmethod(numba_matvec_iq2_xxs_q8_K)
     matvec_q2_K_q8_K = staticmethod(numba_matvec_q2_K_q8_K)
     matvec_q4_K_q8_K = staticmethod(numba_matvec_q4_K_q8_K)
+    # host glue (chapter 3): D.3g's quantizers, chapter 2's bits
+    quantize_q8_0 = staticmethod(numba_quantize_q8_0)
+    quantize_q8_K = staticmethod(numba_quantize_q8_K)
 
     def routed_experts_mid(
         self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0
