@@ -55,13 +55,7 @@ def grouped_out_low(heads, w_a, cfg, be=NUMPY) -> np.ndarray:
             f"grouped_out: attn_output_a has {rows.shape[0]} rows, need "
             f"n_out_group * n_lora_o = {G * rank}"
         )
-    return np.stack(
-        [
-            be.matvec_q8_0(rows[g * rank : (g + 1) * rank], x[..., g, :])
-            for g in range(G)
-        ],
-        axis=-2,
-    )
+    return be.matvec_q8_0_grouped(rows[: G * rank], x)     # [..., G, rank]
 
 
 def layer_grouped_out(heads, w_a, w_b, cfg, be=NUMPY) -> np.ndarray:

@@ -19,6 +19,7 @@ from ds4ref.matvec import (
     matvec_q2_K_q8_K,
     matvec_q4_K_q8_K,
     matvec_q8_0_prequant,
+    weight_rows,
 )
 from ds4ref.gguf import DS4RefError
 from ds4ref.ops import attention_rows, routed_experts_down, routed_experts_mid
@@ -62,6 +63,10 @@ class Backend(Protocol):
     def matvec_q8_0_prequant(self, w, a) -> np.ndarray:
         """Q8_0 W [rows, n] times Q8Act (qs [..., n], d [..., n/32]) -> [..., rows]."""
 
+    def matvec_q8_0_grouped(self, w, x) -> np.ndarray:
+        """Q8_0 W [G * rank, k], row block g times group input x [..., g, k] -> [..., G,
+        rank]; each group quantized on its own."""
+
     def matvec_f16(self, w, x) -> np.ndarray:
         """F16 W [rows, n] times float32 x [..., n], not quantized -> [..., rows]."""
 
@@ -88,6 +93,7 @@ class Backend(Protocol):
 OPS = (
     "matvec_q8_0",
     "matvec_q8_0_prequant",
+    "matvec_q8_0_grouped",
     "matvec_f16",
     "matvec_f32",
     "matvec_iq2_xxs_pair_q8_K",
@@ -101,7 +107,8 @@ GLUE = ("quantize_q8_0", "quantize_q8_K")
 # the same conventions, not called by the model (tests and benchmarks use them)
 EXTRA_OPS = ("matvec_iq2_xxs_q8_K", "matvec_q4_K_q8_K")
 # ops that NumpyBackend builds from others: a backend with those parts runs them itself
-COMPOSED = {"matvec_q8_0": ("matvec_q8_0_prequant",)}
+COMPOSED = {"matvec_q8_0": ("matvec_q8_0_prequant",),
+            "matvec_q8_0_grouped": ("matvec_q8_0_prequant",)}
 # the op that projects through a 2-D weight of each type (`project`), ds4.c's matvec_any
 PROJECT_OPS = {Q8_0: "matvec_q8_0", F16: "matvec_f16", F32: "matvec_f32"}
 # the row matvec, against Q8_K, of each routed-expert type ds4.c accepts
@@ -182,6 +189,20 @@ class NumpyBackend:
         Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
         a = self.quantize_q8_0(np.asarray(x, np.float32))
         return self.matvec_q8_0_prequant(w, a)
+
+    def matvec_q8_0_grouped(self, w, x):
+        """Row block g of the Q8_0 weight w [G * rank, k] times x[..., g, :], for the G
+        groups of x [..., G, k]: G calls of matvec_q8_0 -> [..., G, rank].
+        Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
+        x = np.asarray(x, np.float32)
+        rows = weight_rows(w, Q8_0)
+        G = x.shape[-2] if x.ndim >= 2 else 0
+        if G == 0 or rows.shape[0] % G:
+            raise MatvecError(f"grouped Q8_0: {rows.shape[0]} rows do not split into "
+                              f"the {G} groups of an input shaped {x.shape}")
+        rank = rows.shape[0] // G
+        return np.stack([self.matvec_q8_0(rows[g * rank : (g + 1) * rank], x[..., g, :])
+                         for g in range(G)], axis=-2)
 
     def project(self, w, x) -> np.ndarray:
         """y = W x through the matvec of W's type (PROJECT_OPS): Q8_0 quantizes x (or

@@ -22,6 +22,7 @@ from ds4ref.matvec import row_elements, weight_rows
 # compiles with LLVM's SLP vectorizer on
 from ds4ref.backends.numba_matvec import (
     numba_matvec_f16,
+    numba_matvec_q8_0_grouped,
     numba_matvec_iq2_xxs_pair_q8_K,
     numba_matvec_iq2_xxs_q8_K,
     numba_matvec_q2_K_q8_K,
@@ -221,6 +222,7 @@ class NumbaBackend(NumpyBackend):
     implements = frozenset(
         {
             "matvec_q8_0_prequant",
+            "matvec_q8_0_grouped",
             "matvec_f16",
             "matvec_iq2_xxs_pair_q8_K",
             "matvec_q2_K_q8_K",
@@ -242,6 +244,13 @@ class NumbaBackend(NumpyBackend):
     # host glue (chapter 3): D.3g's quantizers, chapter 2's bits
     quantize_q8_0 = staticmethod(numba_quantize_q8_0)
     quantize_q8_K = staticmethod(numba_quantize_q8_K)
+
+    def matvec_q8_0_grouped(self, w, x) -> np.ndarray:
+        """All groups of one token in one parallel loop (D.3e's grouped kernel); where
+        that does not apply, chapter 3's composition over this backend's matvec_q8_0.
+        Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
+        out = numba_matvec_q8_0_grouped(w, x)
+        return NumpyBackend.matvec_q8_0_grouped(self, w, x) if out is None else out
 
     def routed_experts_mid(
         self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0

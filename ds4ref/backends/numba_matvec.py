@@ -39,7 +39,8 @@ from ds4ref.backends.numba_vnni import (
     Q8_0_SIMD,
     q8_0_lanes_operands,
 )
-from ds4ref.backends.numba_rows import Q8_0_ROWS_AVX2, Q8_0_ROWS_VNNI
+from ds4ref.backends.numba_rows import Q8_0_ROWS_AVX2, Q8_0_ROWS_GROUPED, Q8_0_ROWS_VNNI
+from ds4ref.backends.numba_glue import numba_quantize_q8_0
 from ds4ref.matvec import (
     MatvecError,
     float_input,
@@ -101,6 +102,28 @@ def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
     else:  # a few tokens, 8 rows per register (D.3e)
         _q8_0_few(Q8_0_ROWS_AVX2, raw, xq, xd, out)
     return out.reshape(lead + (rows,))
+
+
+def numba_matvec_q8_0_grouped(w, x) -> np.ndarray | None:
+    """One token's grouped matvec (chapter 3's matvec_q8_0_grouped; x [G, k]) in one
+    parallel loop by D.3e's grouped kernel -> [G, rank]; None where that kernel does
+    not apply (no kernel, a batch, a rank or row length it cannot take, or a -128 code
+    on AVX2), so that the caller composes the groups.
+    Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
+    raw, x = _rows(w, Q8_0), np.asarray(x, np.float32)
+    if Q8_0_ROWS_GROUPED is None or x.ndim != 2:
+        return None
+    kernel, R, minus_128_ok = Q8_0_ROWS_GROUPED
+    G, k = x.shape
+    if G == 0 or raw.shape[0] % (G * R) or k % 32 or row_elements(raw, Q8_0) != k:
+        return None
+    a = numba_quantize_q8_0(x)                          # qs [G, k], d [G, k/32]
+    if not minus_128_ok and (a.qs == -128).any():
+        return None
+    xc = 128 * a.qs.reshape(G, -1, 32).sum(-1, dtype=np.int32)
+    out = _out(1, raw.shape[0])
+    run_kernel(kernel, raw, a.qs, a.d, xc, out, rows=raw.shape[0])
+    return out.reshape(G, -1)
 
 
 def numba_matvec_f16(w, x) -> np.ndarray:

@@ -105,22 +105,31 @@ _rows_avx2_1, _rows_avx2_4 = (_q8_0_rows_intrinsic("avx2", k) for k in (1, 4))
 
 
 @njit(inline="always")
-def _q8_0_rows(rows1, rows4, R, w, tile, xq, xd, xc, acc, out):
-    """Rows R tile .. R tile + R - 1 of w against every token, four blocks per call of
-    rows4, the last nb % 4 by rows1 (compile-time globals: row-lanes intrinsics)."""
+def _q8_0_tile(rows1, rows4, R, w, tile, xr, cr, dr, acc):
+    """acc = rows R tile .. R tile + R - 1 of w against one token (addresses: xr its
+    codes, cr its 128 sum x per block, dr its scales), four blocks per call of rows4,
+    the last nb % 4 by rows1 (compile-time globals: row-lanes intrinsics)."""
     nb, stride = w.shape[1] // 34, w.strides[0]
     wt = w.ctypes.data + R * tile * stride + 2
-    for t in range(xq.shape[0]):
-        acc[:] = 0.0
-        xr, cr = xq.ctypes.data + t * xq.strides[0], xc.ctypes.data + t * xc.strides[0]
-        dr = xd.ctypes.data + t * xd.strides[0]
-        a, b = acc.ctypes.data, 0
-        while b + 4 <= nb:
-            rows4(wt + 34 * b, stride, xr + 32 * b, cr + 4 * b, dr + 4 * b, a)
-            b += 4
-        while b < nb:
-            rows1(wt + 34 * b, stride, xr + 32 * b, cr + 4 * b, dr + 4 * b, a)
-            b += 1
+    acc[:] = 0.0
+    a, b = acc.ctypes.data, 0
+    while b + 4 <= nb:
+        rows4(wt + 34 * b, stride, xr + 32 * b, cr + 4 * b, dr + 4 * b, a)
+        b += 4
+    while b < nb:
+        rows1(wt + 34 * b, stride, xr + 32 * b, cr + 4 * b, dr + 4 * b, a)
+        b += 1
+
+
+@njit(inline="always")
+def _q8_0_rows(rows1, rows4, R, w, tile, xq, xd, xc, acc, out, grouped):
+    """Rows R tile .. of w against every token of xq, out [T, rows]; grouped: against
+    row g of xq (xq [G, k], out [1, G * rank]), g the group of the tile's rows."""
+    for t in range(1 if grouped else xq.shape[0]):
+        g = R * tile // (w.shape[0] // xq.shape[0]) if grouped else t
+        xr, cr = xq.ctypes.data + g * xq.strides[0], xc.ctypes.data + g * xc.strides[0]
+        _q8_0_tile(rows1, rows4, R, w, tile, xr, cr, xd.ctypes.data + g * xd.strides[0],
+                   acc)
         out[t, R * tile : R * tile + R] = acc
 
 
@@ -133,7 +142,7 @@ def q8_0_rows_vnni_kernel(w, xq, xd, xc, lut, out):
     rows = w.shape[0]
     for tile in prange(rows // 16):
         acc = np.empty(16, np.float32)
-        _q8_0_rows(_rows_vnni_1, _rows_vnni_4, 16, w, tile, xq, xd, xc, acc, out)
+        _q8_0_rows(_rows_vnni_1, _rows_vnni_4, 16, w, tile, xq, xd, xc, acc, out, False)
     for r in range(rows - rows % 16, rows):
         for t in range(xq.shape[0]):
             out[t, r] = _q8_0_row_vnni(w, r, xq, xd, xc, t, lut)
@@ -148,10 +157,31 @@ def q8_0_rows_avx2_kernel(w, xq, xd, xc, lut, out):
     rows = w.shape[0]
     for tile in prange(rows // 8):
         acc = np.empty(8, np.float32)
-        _q8_0_rows(_rows_avx2_1, _rows_avx2_4, 8, w, tile, xq, xd, xc, acc, out)
+        _q8_0_rows(_rows_avx2_1, _rows_avx2_4, 8, w, tile, xq, xd, xc, acc, out, False)
     for r in range(rows - rows % 8, rows):
         for t in range(xq.shape[0]):
             out[t, r] = _q8_0_row_avx2(w, r, xq, xd, t, lut)
+
+
+@njit(parallel=True, cache=True)
+def q8_0_rows_grouped_vnni_kernel(w, xq, xd, xc, out):
+    """The grouped matvec of one token in one parallel loop: row block g of w [G *
+    rank, k] against group input g, xq [G, k] (xd, xc per group as above), out float32
+    [1, G * rank]; rank a multiple of 16.
+    Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
+    for tile in prange(w.shape[0] // 16):
+        acc = np.empty(16, np.float32)
+        _q8_0_rows(_rows_vnni_1, _rows_vnni_4, 16, w, tile, xq, xd, xc, acc, out, True)
+
+
+@njit(parallel=True, cache=True)
+def q8_0_rows_grouped_avx2_kernel(w, xq, xd, xc, out):
+    """As q8_0_rows_grouped_vnni_kernel with AVX2 (no activation code -128), rank a
+    multiple of 8.
+    Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
+    for tile in prange(w.shape[0] // 8):
+        acc = np.empty(8, np.float32)
+        _q8_0_rows(_rows_avx2_1, _rows_avx2_4, 8, w, tile, xq, xd, xc, acc, out, True)
 
 
 # the row-lanes kernels and what each needs; the numba matvec takes the one its path
@@ -160,3 +190,8 @@ Q8_0_ROWS_BYTE_DOT = ((q8_0_rows_vnni_kernel, "avx512vnni"),
                       (q8_0_rows_avx2_kernel, "avx2"))
 Q8_0_ROWS_VNNI = (simd_kernels(Q8_0_ROWS_BYTE_DOT[:1]) or [None])[0]
 Q8_0_ROWS_AVX2 = (simd_kernels(Q8_0_ROWS_BYTE_DOT[1:]) or [None])[0]
+# the grouped kernel this CPU runs: (kernel, rows per register, whether activation
+# codes may be -128); None: numba_matvec composes the groups
+Q8_0_ROWS_GROUPED = (simd_kernels((
+    ((q8_0_rows_grouped_vnni_kernel, 16, True), "avx512vnni"),
+    ((q8_0_rows_grouped_avx2_kernel, 8, False), "avx2"))) or [None])[0]

@@ -12,6 +12,10 @@
 #   DeepSeek V4 model with no ratio-4 layer, such as ds4ref's 2-layer wide model.
 # The model needs one metadata key that ds4's GGUFs do not carry; tools/llama_cpp/gguf_for_llama.py
 # writes a copy with it.
+# On a CPU with AMX (Intel Sapphire Rapids and later) -march=native also builds ggml's AMX buffer type,
+# and llama-bench then dies in the scheduler on this model (ggml-backend.cpp:1294,
+# GGML_ASSERT(*cur_backend_id != -1)); AMX is switched off (-mno-amx-*), which keeps the AVX-512 VNNI
+# kernels and the CPU repack buffers. Where the CPU has no AMX the flags change nothing.
 set -euo pipefail
 OUT=${1:?usage: build.sh OUTDIR}
 SDIST=llama_cpp_python-0.3.36.tar.gz
@@ -35,7 +39,9 @@ n=$(grep -c -F "$OLD" "$F" || true)
 line=$(grep -n "llama_kv_cache::build_input_k_rot" "$F" | head -1 | cut -d: -f1)
 sed -i "$((line + 3))s|^    if (attn_rot_k) {|$NEW|" "$F"
 grep -q "ds4ref: no K rows" "$F" || { echo "build.sh: guard not applied" >&2; exit 1; }
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$LC" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+  "-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX" \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON >build.log 2>&1
 cmake --build build --target llama-bench -j "$(nproc)" >>build.log 2>&1 \
