@@ -116,14 +116,28 @@ def llama_bench_row(tests: list, threads: int) -> dict:
             "decode_s_per_token_min": 1.0 / max(tg["samples_ts"]), "profile": []}
 
 
+def warm_file(path, chunk: int = 1 << 26) -> int:
+    """Read the file at `path` once, so that its pages sit in the page cache as the
+    other programs' warmed weights do; returns the bytes read.
+
+    Mirrors ds4.c: model_warm_weights (l. 1477), for a program that has no such option"""
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(chunk):
+            n += len(block)
+    return n
+
+
 def bench_llama_cpp(exe, path, prompt_len: int, steps: int, threads: int) -> dict:
     """Time llama.cpp on the llama.cpp copy `path` of the model (`llama_model_path`):
     `exe` is `llama-bench` (or tools/llama_cpp/build.sh's OUTDIR), run once per call
-    with `-p prompt_len -n steps -t threads -r 1 -o json`, after its own warm-up; its
-    prompt is its own tokens, as many as ds4ref's.
+    with `-p prompt_len -n steps -t threads -r 1 -o json`, its file's pages read first
+    (warm_file) and after its own warm-up; its prompt is its own tokens, as many as
+    ds4ref's.
 
     Mirrors ds4.c: nothing (benchmark harness)"""
     import subprocess
+    warm_file(path)
     cmd = [str(llama_bench_exe(exe)), "-m", str(path), "-p", str(prompt_len),
            "-n", str(steps), "-t", str(threads), "-r", "1", "-o", "json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
