@@ -120,7 +120,7 @@ def warm_file(path, chunk: int = 1 << 26) -> int:
     """Read the file at `path` once, so that its pages sit in the page cache as the
     other programs' warmed weights do; returns the bytes read.
 
-    Mirrors ds4.c: model_warm_weights (l. 1477), for a program that has no such option"""
+    Mirrors ds4.c: model_warm_weights (l. 1477), for a program without that option"""
     n = 0
     with open(path, "rb", buffering=0) as f:
         while block := f.read(chunk):
