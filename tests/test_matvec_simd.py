@@ -530,7 +530,15 @@ def test_iq2_lanes_equals_plain_kernel_on_extreme_blocks(kernel, lanes, T):
     """80% of the up rows' index/sign/scale bytes 0xFF (scale 15, sign row 127), activations mostly -128 or 127
     (the largest lanes, (y + 128) up to 255): the same float32 bits as iq2_xxs_pair_kernel, for tiles filled in
     full and in part."""
-    rng = np.random.default_rng(100 + T)
+    wg, wu, qs, d, want = extreme_iq2_case(np.random.default_rng(100 + T), T)
+    got = iq2_lanes(kernel, lanes, wg, wu, qs, d)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert np.isfinite(want[0]).all() and np.abs(want[1]).max() > 0
+
+
+def extreme_iq2_case(rng, T: int):
+    """45 gate/up rows of 2048, 80% of the up rows' index/sign/scale bytes 0xFF (scale 15, sign row 127); T
+    activations mostly -128 or 127; and iq2_xxs_pair_kernel's (gate, up): (wg, wu, qs, d, want)."""
     wg, wu = iq2_xxs_rows(rng, 45, 2048), iq2_xxs_rows(rng, 45, 2048)
     blocks = wu.reshape(45, -1, 66)
     blocks[..., 2:] = np.where(rng.random(blocks[..., 2:].shape) < 0.8, np.uint8(0xFF), blocks[..., 2:])
@@ -539,19 +547,26 @@ def test_iq2_lanes_equals_plain_kernel_on_extreme_blocks(kernel, lanes, T):
     d = rng.uniform(0.001, 1, (T, 8)).astype(np.float32)
     want = (np.empty((T, 45), np.float32), np.empty((T, 45), np.float32))
     nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs, d, nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS, nk.F16_TO_F32, *want)
-    got = iq2_lanes(kernel, lanes, wg, wu, qs, d)
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    assert np.isfinite(want[0]).all() and np.abs(want[1]).max() > 0
+    return wg, wu, qs, d, want
 
 
 @pytest.mark.parametrize("kernel, lanes", LANES_CASES)
 def test_iq2_lanes_equals_plain_kernel_on_ds4_experts(kernel, lanes, model, ops_A):
     """The real expert gate/up weights against ds4's recorded Q8_K activations, every recorded position of a
     layer as one batch (and the first alone): the same float32 bits as iq2_xxs_pair_kernel."""
+    for il, n, wg, wu, qs, d, want in ds4_expert_batches(model, ops_A, range(6)):
+        got = iq2_lanes(kernel, lanes, wg, wu, qs, d)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (il, n)
+
+
+def ds4_expert_batches(model, ops_A, layers):
+    """(il, n, wg, wu, qs, d, want) for each layer: the gate/up rows of the first recorded expert, ds4's recorded
+    Q8_K activations of the first position (n = 1) and of every recorded position (one batch), and
+    iq2_xxs_pair_kernel's (gate, up) on them."""
     _, w = model
     positions = [int(p) for p in ops_A["positions"]]
     assert len(positions) > 1
-    for il in range(6):
+    for il in layers:
         keys = [f"L{il}.P{p}.q8k.ffn_gate_up_exps" for p in positions]
         qs = np.stack([ops_A[k + ".qs"].reshape(-1) for k in keys])
         d = np.stack([ops_A[k + ".d"].reshape(-1) for k in keys]).astype(np.float32)
@@ -562,8 +577,7 @@ def test_iq2_lanes_equals_plain_kernel_on_ds4_experts(kernel, lanes, model, ops_
             want = (np.empty((n, wg.shape[0]), np.float32), np.empty((n, wg.shape[0]), np.float32))
             nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs[:n], d[:n], nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS,
                           nk.F16_TO_F32, *want)
-            got = iq2_lanes(kernel, lanes, wg, wu, qs[:n], d[:n])
-            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (il, n)
+            yield il, n, wg, wu, qs[:n], d[:n], want
 
 
 def test_iq2_backend_batches_take_the_lanes_kernel_with_the_same_bits(monkeypatch):
@@ -607,15 +621,7 @@ def iq2_tokens(wg, wu, qs, d):
 def test_iq2_tokens_equals_plain_kernel_on_extreme_blocks(T):
     """80% of the up rows' index/sign/scale bytes 0xFF, activations mostly -128 or 127 (y + 128 up to 255): the
     same float32 bits as iq2_xxs_pair_kernel, rows not a multiple of the 16 rows per task."""
-    rng = np.random.default_rng(700 + T)
-    wg, wu = iq2_xxs_rows(rng, 45, 2048), iq2_xxs_rows(rng, 45, 2048)
-    blocks = wu.reshape(45, -1, 66)
-    blocks[..., 2:] = np.where(rng.random(blocks[..., 2:].shape) < 0.8, np.uint8(0xFF), blocks[..., 2:])
-    qs = np.where(rng.random((T, 2048)) < 0.7, rng.choice(np.int8([-128, 127]), (T, 2048)),
-                  rng.integers(-128, 128, (T, 2048), dtype=np.int8)).astype(np.int8)
-    d = rng.uniform(0.001, 1, (T, 8)).astype(np.float32)
-    want = (np.empty((T, 45), np.float32), np.empty((T, 45), np.float32))
-    nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs, d, nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS, nk.F16_TO_F32, *want)
+    wg, wu, qs, d, want = extreme_iq2_case(np.random.default_rng(700 + T), T)
     got = iq2_tokens(wg, wu, qs, d)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     assert np.abs(want[1]).max() > 0
@@ -625,21 +631,9 @@ def test_iq2_tokens_equals_plain_kernel_on_extreme_blocks(T):
 def test_iq2_tokens_equals_plain_kernel_on_ds4_experts(model, ops_A):
     """The real expert gate/up weights against ds4's recorded Q8_K activations (a layer's recorded positions as
     one batch, and the first alone): iq2_xxs_pair_kernel's bits."""
-    _, w = model
-    positions = [int(p) for p in ops_A["positions"]]
-    for il in (0, 2, 5):
-        keys = [f"L{il}.P{p}.q8k.ffn_gate_up_exps" for p in positions]
-        qs = np.stack([ops_A[k + ".qs"].reshape(-1) for k in keys])
-        d = np.stack([ops_A[k + ".d"].reshape(-1) for k in keys]).astype(np.float32)
-        e = int(ops_A[f"L{il}.P{positions[0]}.exp_ids"][0])
-        wg = np.ascontiguousarray(weight_rows(w.layers[il].ffn_gate_exps.expert(e), IQ2_XXS))
-        wu = np.ascontiguousarray(weight_rows(w.layers[il].ffn_up_exps.expert(e), IQ2_XXS))
-        for n in (1, len(qs)):
-            want = (np.empty((n, wg.shape[0]), np.float32), np.empty((n, wg.shape[0]), np.float32))
-            nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs[:n], d[:n], nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS,
-                          nk.F16_TO_F32, *want)
-            got = iq2_tokens(wg, wu, qs[:n], d[:n])
-            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (il, n)
+    for il, n, wg, wu, qs, d, want in ds4_expert_batches(model, ops_A, (0, 2, 5)):
+        got = iq2_tokens(wg, wu, qs, d)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (il, n)
 
 
 def test_iq2_dispatch_by_token_count(monkeypatch):

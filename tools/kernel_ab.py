@@ -41,6 +41,40 @@ def stream_copies(w, mb: float) -> list:
     return [w] + [c if isinstance(w, tuple) else c[0] for c in copies]
 
 
+def q8_0_cases(args, rng, shapes):
+    """(threads, rows, n, w, copies) for every thread count of args.threads and Q8_0 shape
+    [rows x n]: numba set to that many threads, random rows w and their copies to stream."""
+    import numba
+    for threads in [int(t) for t in args.threads.split(",")]:
+        numba.set_num_threads(threads)
+        for rows, n in shapes:
+            w = random_rows(rng, rows, n, 32, 34)
+            yield threads, rows, n, w, stream_copies(w, args.stream_mb)
+
+
+def q8_0_against_portable(args, rng, shapes, call, variants, low: int):
+    """Time the Q8_0 variants of a script (one named "portable") on every case of q8_0_cases
+    and token count of args.tokens, activation codes from `low` to 127, each result checked
+    against the numpy reference; print a row per case: best ms per variant and the paired
+    ratios variant / portable."""
+    from ds4ref.matvec import matvec_q8_0_prequant
+    from ds4ref.quant import Q8Act
+    for threads, rows, n, w, copies in q8_0_cases(args, rng, shapes):
+        for T in [int(t) for t in args.tokens.split(",")]:
+            a = Q8Act(rng.integers(low, 128, (T, n), dtype=np.int8),
+                      rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32))
+            want = matvec_q8_0_prequant(w, a) if T * rows * n <= 1 << 31 else None
+
+            def check(v, got):
+                assert want is None or np.array_equal(got, want), (v, rows, n, T)
+            times = time_variants(call, variants, copies, a, args, check)
+            ms = "  ".join(f"{v} {min(t) * 1e3:8.3f} ms" for v, t in times.items())
+            rs = "  ".join(f"{v}/portable {paired_median(times, v, 'portable'):.2f}"
+                           for v in variants if v != "portable")
+            print(f"{threads}t  {rows:>4d}x{n:<4d}  T={T:<4d} {ms}   {rs}", flush=True)
+    print("\nmin ms per call; ratio = median over rounds of (variant / portable), < 1: faster")
+
+
 def time_variants(call, variants, copies, a, args, check) -> dict:
     """{variant: [seconds per call, one per round]}: each variant called once to compile
     and checked (check(variant, result)), its repeats sized to args.min_seconds, then

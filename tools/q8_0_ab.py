@@ -6,8 +6,9 @@ turn, so that a noisy moment of the machine touches them all. Variants (all thro
 `numba_matvec_q8_0_prequant`, so the VNNI rows include the activation repack and sums):
 
   portable  q8_0_kernel (Q8_0_SIMD forced to None)
-  vnni      the matvec's own choice (Q8_0_LANES_MIN_T decides one-token vs lanes kernel)
-  one-tok   q8_0_vnni_kernel for every T             (with --all-variants)
+  vnni      the matvec's own choice (Q8_0_LANES_MIN_T decides few-token vs lanes kernel)
+  one-tok   the few-token path for every T: D.3e's q8_0_rows_vnni_kernel   (with --all-variants;
+            tools/q8_0_rows_ab.py compares it with q8_0_vnni_kernel, one row at a time)
   lanes     q8_0_vnni_lanes_kernel for every T       (with --all-variants)
 
 Each timing cycles through copies of the weight (--stream-mb) so that they stream from memory.
@@ -27,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import add_ab_args, paired_median, random_rows, stream_copies, time_variants  # noqa: E402
+from kernel_ab import add_ab_args, q8_0_against_portable  # noqa: E402
 
 # wide-model Q8_0 shapes [rows x n]
 SHAPES = ((4096, 4096), (1024, 4096), (4096, 1024))
@@ -39,10 +40,7 @@ def main(argv=None) -> None:
     ap.add_argument("--all-variants", action="store_true")
     args = ap.parse_args(argv)
 
-    import numba
     import ds4ref.backends.numba_matvec as nm
-    from ds4ref.matvec import matvec_q8_0_prequant
-    from ds4ref.quant import Q8Act
 
     if nm.Q8_0_SIMD is None:
         sys.exit("this CPU (or NUMBA_CPU_NAME) has no AVX-512 VNNI: nothing to compare")
@@ -55,32 +53,10 @@ def main(argv=None) -> None:
         nm.Q8_0_SIMD, nm.Q8_0_LANES_MIN_T = variants[variant]
         return nm.numba_matvec_q8_0_prequant(w, a)
 
-    rng = np.random.default_rng(0)
-    rows_out = []
-    for threads in [int(t) for t in args.threads.split(",")]:
-        numba.set_num_threads(threads)
-        for rows, n in SHAPES:
-            w = random_rows(rng, rows, n, 32, 34)
-            copies = stream_copies(w, args.stream_mb)
-            for T in [int(t) for t in args.tokens.split(",")]:
-                a = Q8Act(rng.integers(-128, 128, (T, n), dtype=np.int8),
-                          rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32))
-                want = matvec_q8_0_prequant(w, a) if T * rows * n <= 1 << 31 else None
-                def check(v, got):
-                    assert want is None or np.array_equal(got, want), (v, rows, n, T)
-                times = time_variants(call, variants, copies, a, args, check)
-                ratios = {v: paired_median(times, v, "portable")
-                          for v in variants if v != "portable"}
-                rows_out.append((threads, f"{rows}x{n}", T, {v: min(t) for v, t in times.items()}, ratios))
-                print(_row(*rows_out[-1]), flush=True)
-    nm.Q8_0_SIMD, nm.Q8_0_LANES_MIN_T = variants["vnni"]
-    print("\nmin ms per call; ratio = median over rounds of (variant / portable), < 1: faster")
-
-
-def _row(threads, shape, T, best, ratios) -> str:
-    ms = "  ".join(f"{v} {t * 1e3:8.3f} ms" for v, t in best.items())
-    rs = "  ".join(f"{v}/portable {r:.2f}" for v, r in ratios.items())
-    return f"{threads}t  {shape:>9s}  T={T:<4d} {ms}   {rs}"
+    try:
+        q8_0_against_portable(args, np.random.default_rng(0), SHAPES, call, variants, low=-128)
+    finally:
+        nm.Q8_0_SIMD, nm.Q8_0_LANES_MIN_T = variants["vnni"]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ turn, so that a noisy moment of the machine touches them all. Variants (all thro
 `numba_matvec_q8_0_prequant`, so the AVX2 rows include the -128 check and the activation repack):
 
   portable  q8_0_kernel (Q8_0_AVX2 forced to None)
-  one-tok   q8_0_avx2_kernel for every T
+  one-tok   the few-token path for every T: D.3e's q8_0_rows_avx2_kernel (8 rows per register;
+            tools/q8_0_rows_ab.py compares it with q8_0_avx2_kernel, one row at a time)
   lanes     q8_0_avx2_lanes_kernel for every T
 
 Each timing cycles through copies of the weight (--stream-mb) so that they stream from memory.
@@ -26,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import add_ab_args, paired_median, random_rows, stream_copies, time_variants  # noqa: E402
+from kernel_ab import add_ab_args, q8_0_against_portable  # noqa: E402
 
 # wide-model Q8_0 shapes [rows x n]
 SHAPES = ((4096, 4096), (1024, 4096))
@@ -37,11 +38,8 @@ def main(argv=None) -> None:
     add_ab_args(ap, threads="1,2", tokens="1,4,8,16,128")
     args = ap.parse_args(argv)
 
-    import numba
     import ds4ref.backends.numba_matvec as nm
     import ds4ref.backends.numba_q8avx2 as qa
-    from ds4ref.matvec import matvec_q8_0_prequant
-    from ds4ref.quant import Q8Act
 
     kernels = qa.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT)
     if not kernels:
@@ -56,31 +54,10 @@ def main(argv=None) -> None:
         nm.Q8_0_AVX2, nm.Q8_0_AVX2_LANES_MIN_T = variants[variant]
         return nm.numba_matvec_q8_0_prequant(w, a)
 
-    rng = np.random.default_rng(0)
-    for threads in [int(t) for t in args.threads.split(",")]:
-        numba.set_num_threads(threads)
-        for rows, n in SHAPES:
-            w = random_rows(rng, rows, n, 32, 34)
-            copies = stream_copies(w, args.stream_mb)
-            for T in [int(t) for t in args.tokens.split(",")]:
-                a = Q8Act(rng.integers(-127, 128, (T, n), dtype=np.int8),   # no -128: the AVX2 path
-                          rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32))
-                want = matvec_q8_0_prequant(w, a) if T * rows * n <= 1 << 31 else None
-                def check(v, got):
-                    assert want is None or np.array_equal(got, want), (v, rows, n, T)
-                times = time_variants(call, variants, copies, a, args, check)
-                ratios = {v: paired_median(times, v, "portable")
-                          for v in variants if v != "portable"}
-                print(_row(threads, f"{rows}x{n}", T, {v: min(t) for v, t in times.items()}, ratios),
-                      flush=True)
-    nm.Q8_0_AVX2, nm.Q8_0_AVX2_LANES_MIN_T = own
-    print("\nmin ms per call; ratio = median over rounds of (variant / portable), < 1: faster")
-
-
-def _row(threads, shape, T, best, ratios) -> str:
-    ms = "  ".join(f"{v} {t * 1e3:8.3f} ms" for v, t in best.items())
-    rs = "  ".join(f"{v}/portable {r:.2f}" for v, r in ratios.items())
-    return f"{threads}t  {shape:>9s}  T={T:<4d} {ms}   {rs}"
+    try:
+        q8_0_against_portable(args, np.random.default_rng(0), SHAPES, call, variants, low=-127)
+    finally:
+        nm.Q8_0_AVX2, nm.Q8_0_AVX2_LANES_MIN_T = own
 
 
 if __name__ == "__main__":

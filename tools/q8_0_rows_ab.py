@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import add_ab_args, paired_median, random_rows, stream_copies, time_variants  # noqa: E402
+from kernel_ab import add_ab_args, paired_median, q8_0_cases, time_variants  # noqa: E402
 
 # wide-model Q8_0 shapes [rows x n]: attn_output_b, attn_q_b, ffn_gate_shexp
 SHAPES = ((4096, 8192), (32768, 1024), (2048, 4096))
@@ -38,7 +38,6 @@ def main(argv=None) -> None:
     add_ab_args(ap, threads="2,1", tokens="1")
     args = ap.parse_args(argv)
 
-    import numba
     from ds4ref.backends.numba_kernels import F16_TO_F32, q8_0_kernel, run_kernel
     from ds4ref.backends.numba_q8avx2 import q8_0_avx2_kernel
     from ds4ref.backends.numba_rows import q8_0_rows_avx2_kernel, q8_0_rows_vnni_kernel
@@ -66,25 +65,21 @@ def main(argv=None) -> None:
         return out
 
     rng = np.random.default_rng(0)
-    for threads in [int(t) for t in args.threads.split(",")]:
-        numba.set_num_threads(threads)
-        for rows, n in SHAPES:
-            w = random_rows(rng, rows, n, 32, 34)
-            copies = stream_copies(w, args.stream_mb)
-            for T in [int(t) for t in args.tokens.split(",")]:
-                xq = rng.integers(-127, 128, (T, n), dtype=np.int8)  # no -128: AVX2's domain
-                xd = rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32)
-                xc = 128 * xq.reshape(T, -1, 32).sum(-1, dtype=np.int32)
-                want = np.empty((T, rows), np.float32)
-                run_kernel(q8_0_kernel, w, xq, xd, F16_TO_F32, want)
+    for threads, rows, n, w, copies in q8_0_cases(args, rng, SHAPES):
+        for T in [int(t) for t in args.tokens.split(",")]:
+            xq = rng.integers(-127, 128, (T, n), dtype=np.int8)  # no -128: AVX2's domain
+            xd = rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32)
+            xc = 128 * xq.reshape(T, -1, 32).sum(-1, dtype=np.int32)
+            want = np.empty((T, rows), np.float32)
+            run_kernel(q8_0_kernel, w, xq, xd, F16_TO_F32, want)
 
-                def check(v, got):
-                    assert np.array_equal(got, want), (v, rows, n, T)
-                times = time_variants(call, kernels, copies, (xq, xd, xc), args, check)
-                gbs = "  ".join(f"{v} {w.nbytes / min(t) / 1e9:5.1f}" for v, t in times.items())
-                rs = "  ".join(f"{v}/{base} {paired_median(times, v, base):.2f}"
-                               for v in kernels if v != base)
-                print(f"{threads}t  {rows:>5d}x{n:<5d} T={T}  GB/s: {gbs}   {rs}", flush=True)
+            def check(v, got):
+                assert np.array_equal(got, want), (v, rows, n, T)
+            times = time_variants(call, kernels, copies, (xq, xd, xc), args, check)
+            gbs = "  ".join(f"{v} {w.nbytes / min(t) / 1e9:5.1f}" for v, t in times.items())
+            rs = "  ".join(f"{v}/{base} {paired_median(times, v, base):.2f}"
+                           for v in kernels if v != base)
+            print(f"{threads}t  {rows:>5d}x{n:<5d} T={T}  GB/s: {gbs}   {rs}", flush=True)
     print("\nbest GB/s of weights read per variant; ratio = median over rounds of the paired times, < 1: faster")
 
 
