@@ -32,15 +32,26 @@ def test_bench_llama_cpp_runs_llama_bench_and_reads_its_json(tmp_path):
                    'echo "$@" > "$(dirname "$0")/args.txt"\n'
                    f"cat <<'JSON'\n{json.dumps(LLAMA_JSON)}\nJSON\n")
     exe.chmod(0o755)
-    r = bench_llama_cpp(tmp_path, "model.llama.gguf", 16, steps=3, threads=2)   # OUTDIR
+    model = tmp_path / "model.llama.gguf"
+    model.write_bytes(bytes(range(256)) * 300)
+    r = bench_llama_cpp(tmp_path, model, 16, steps=3, threads=2)   # OUTDIR
     assert (exe.parent / "args.txt").read_text().split() == [
-        "-m", "model.llama.gguf", "-p", "16", "-n", "3", "-t", "2", "-r", "1", "-o", "json"]
+        "-m", str(model), "-p", "16", "-n", "3", "-t", "2", "-r", "1", "-o", "json"]
     assert r["backend"] == "llama.cpp" and r["label"] == "llama.cpp 2t" and r["threads"] == 2
     assert r["prompt_tokens"] == 16 and r["prefill_tok_s"] == 64.0 and r["prefill_s"] == 0.25
     assert r["decode_steps"] == 3 and r["decode_tok_s"] == 40.0
     assert r["decode_s_per_token_median"] == 0.025 and r["decode_s_per_token_min"] == 0.025
     assert r["profile"] == []
-    assert bench_llama_cpp(exe, "m", 16, 3, 2)["label"] == "llama.cpp 2t"        # the binary
+    assert bench_llama_cpp(exe, model, 16, 3, 2)["label"] == "llama.cpp 2t"      # the binary
+    with pytest.raises(FileNotFoundError):                   # its pages are read first: it must exist
+        bench_llama_cpp(exe, tmp_path / "missing.gguf", 16, 3, 2)
+
+
+def test_warm_file_reads_every_byte(tmp_path):
+    from ds4ref.dev.bench_programs import warm_file
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"x" * 1000 + b"y" * 5)
+    assert warm_file(f, chunk=64) == 1005 and warm_file(f) == 1005
 
 
 def test_llama_model_path_writes_the_copy_once_with_the_gating_key(tmp_path):
