@@ -415,6 +415,11 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
             assert called == [want], (T, minus_128)
     if "avx2" in have:   # the AVX2 path as on a CPU without VNNI, and the portable one without AVX2
         monkeypatch.setattr(nm, "Q8_0_SIMD", None)
+        for T in (1, qa.Q8_0_AVX2_LANES_MIN_T - 1):        # a few tokens: 8 rows in lanes
+            a = q8_0_act_127(rng, T, 16)
+            called.clear()
+            assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
+            assert called == [nr.Q8_0_ROWS_AVX2], T
         a = q8_0_act_127(rng, 12, 16)
         called.clear()
         assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
