@@ -166,13 +166,15 @@ def layer_attention_batch(
 
     # HC pre token by token, as ds4.c's hc_pre_norm_batch_worker (l. 4581) does: a
     # batched F16 matvec may sum in another order, and a 1-ulp change here moves
-    # int8/E4M3 roundings further on.
-    pre = [
-        hc_pre(Xs[t], lw.hc_attn_fn, lw.hc_attn_scale, lw.hc_attn_base, cfg, be)
-        for t in range(T)
-    ]
-    # [T, n_embd], [T, n_hc], [T, n_hc, n_hc]
-    x, post, comb = (np.stack(v) for v in zip(*pre))
+    # int8/E4M3 roundings further on; all at once where the backend's F16 matvec is
+    # batch-invariant. [T, n_embd], [T, n_hc], [T, n_hc, n_hc]
+    if be.f16_batch_invariant:
+        x, post, comb = hc_pre(Xs, lw.hc_attn_fn, lw.hc_attn_scale, lw.hc_attn_base,
+                               cfg, be)
+    else:
+        pre = [hc_pre(Xs[t], lw.hc_attn_fn, lw.hc_attn_scale, lw.hc_attn_base, cfg, be)
+               for t in range(T)]
+        x, post, comb = (np.stack(v) for v in zip(*pre))
     # [T, n_embd]
     a = rms_norm_weight(x, lw.attn_norm, cfg.rms_eps)
     q, qr_norm = layer_q_projection(cfg, lw, a, be)  # [T, n_head, hd], [T, n_lora_q]

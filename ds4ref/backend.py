@@ -23,6 +23,7 @@ from ds4ref.matvec import (
 )
 from ds4ref.gguf import DS4RefError
 from ds4ref.ops import attention_rows, routed_experts_down, routed_experts_mid
+from ds4ref.ops import experts_down_batch, experts_gate_up_batch
 from ds4ref.quant import F16, F32, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPE_NAMES, Q8Act
 from ds4ref.quant import quantize_q8_0, quantize_q8_K
 
@@ -47,6 +48,7 @@ class Backend(Protocol):
     name: str
     implements: frozenset
     has_device_forward: bool   # chapter 8: a whole-token forward on a device
+    f16_batch_invariant: bool  # matvec_f16 gives a batch's rows their bits alone
 
     def device_forward(self, cfg, weights, ctx_size: int):
         """A chapter-8 DeviceForward over weights uploaded once, or None."""
@@ -88,6 +90,14 @@ class Backend(Protocol):
     def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
         """Sum over slots s of Q2_K expert ids[s] times Q8KAct row s -> [n_embd]."""
 
+    def routed_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq) -> tuple:
+        """Prefill: expert sel[t, s]'s gate/up rows on token t's Q8KAct (xq [T, n]) for
+        every pair -> (gate, up) [T, k, n_ff]."""
+
+    def routed_experts_down_batch(self, w_down3, sel, midq) -> np.ndarray:
+        """Prefill: expert sel[t, s]'s down rows on Q8KAct row (t, s) of midq [T, k,
+        n_ff] -> [T, k, n_embd] (not summed)."""
+
 
 # what the model calls, in the order of Backend
 OPS = (
@@ -101,6 +111,8 @@ OPS = (
     "attention_rows",
     "routed_experts_mid",
     "routed_experts_down",
+    "routed_experts_gate_up_batch",
+    "routed_experts_down_batch",
 )
 # host glue every backend has (numpy's by default; exact, so never refused when strict)
 GLUE = ("quantize_q8_0", "quantize_q8_K")
@@ -108,7 +120,10 @@ GLUE = ("quantize_q8_0", "quantize_q8_K")
 EXTRA_OPS = ("matvec_iq2_xxs_q8_K", "matvec_q4_K_q8_K")
 # ops that NumpyBackend builds from others: a backend with those parts runs them itself
 COMPOSED = {"matvec_q8_0": ("matvec_q8_0_prequant",),
-            "matvec_q8_0_grouped": ("matvec_q8_0_prequant",)}
+            "matvec_q8_0_grouped": ("matvec_q8_0_prequant",),
+            # prefill's grouped experts: per-expert matvecs of ds4's expert types
+            "routed_experts_gate_up_batch": ("matvec_iq2_xxs_pair_q8_K",),
+            "routed_experts_down_batch": ("matvec_q2_K_q8_K",)}
 # the op that projects through a 2-D weight of each type (`project`), ds4.c's matvec_any
 PROJECT_OPS = {Q8_0: "matvec_q8_0", F16: "matvec_f16", F32: "matvec_f32"}
 # the row matvec, against Q8_K, of each routed-expert type ds4.c accepts
@@ -153,6 +168,10 @@ class NumpyBackend:
     is_strict = False
     # numpy's arrays are host arrays: no device forward (chapter 8's resident=True)
     has_device_forward = False
+    # whether matvec_f16 gives each row of a batch the bits it gives that row alone:
+    # numpy's BLAS blocks a T-row product's sums otherwise, so the layers run the small
+    # F16 matvecs (HC mix, router) token by token here (chapters 6 and 7)
+    f16_batch_invariant = False
     matvec_q8_0_prequant = staticmethod(matvec_q8_0_prequant)
     matvec_f16 = staticmethod(matvec_f16)
     matvec_f32 = staticmethod(matvec_f32)
@@ -249,6 +268,20 @@ class NumpyBackend:
         ds4ref.ops.routed_experts_down (chapter 7) over this backend's matvec for the
         experts' type. Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
         return routed_experts_down(w_down3, ids, a, matvec=self.expert_matvec(w_down3))
+
+    def routed_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq):
+        """Prefill's gate/up pass, grouped by expert: ds4ref.ops.experts_gate_up_batch
+        (chapter 7) over this backend's pair matvec for the experts' type.
+        Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
+        return experts_gate_up_batch(w_gate3, w_up3, sel, xq,
+                                     pair_matvec=self.expert_pair(w_gate3))
+
+    def routed_experts_down_batch(self, w_down3, sel, midq):
+        """Prefill's down pass, grouped by expert: ds4ref.ops.experts_down_batch
+        (chapter 7) over this backend's matvec for the experts' type.
+        Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
+        return experts_down_batch(w_down3, sel, midq,
+                                  matvec=self.expert_matvec(w_down3))
 
     def runs_types(self, op: str, ggml_type: int) -> bool:
         """Whether this backend runs `op` itself on weights of `ggml_type`.

@@ -31,14 +31,14 @@ def softplus_stable(x):
     return np.where(x > 20, x, np.where(x < -20, np.exp(x), mid)).astype(np.float32)
 
 
-def _per_token(op, x, item_ndim):
+def _per_token(op, x, item_ndim, be):
     """op applied to each item of x (items have item_ndim dims), stacked back.
 
     The F16 matvecs (router, HC mix) go one token at a time: numpy's BLAS matmul sums a
     1-row and a T-row product in different orders, and batch must equal decode bit for
     bit. They are tiny next to the expert matvecs, which are batch-invariant and run
-    batched."""
-    if x.ndim == item_ndim:
+    batched; so do these where the backend's F16 matvec is (be.f16_batch_invariant)."""
+    if x.ndim == item_ndim or be.f16_batch_invariant:
         return op(x)
     lead = x.shape[:x.ndim - item_ndim]
     flat = x.reshape((-1,) + x.shape[x.ndim - item_ndim:])
@@ -88,7 +88,7 @@ def router_probs(lw, f, be=NUMPY):
             f"layer {getattr(lw, 'il', '?')}: router tensor ffn_gate_inp is missing"
         )
     logits = _per_token(
-        lambda v: be.project(lw.ffn_gate_inp, v), np.asarray(f, np.float32), 1
+        lambda v: be.project(lw.ffn_gate_inp, v), np.asarray(f, np.float32), 1, be
     )
     return logits, np.sqrt(softplus_stable(logits)).astype(np.float32)
 
@@ -244,7 +244,7 @@ def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=No
 def _hc_ffn_pre(cfg, lw, X, be, trace):
     """hc_pre with the FFN's HC weights, built from chapter 4's pieces so that mix and
     split can be traced."""
-    mix = _per_token(lambda v: hc_mix(v, lw.hc_ffn_fn, cfg, be), X, 2)  # [..., 24]
+    mix = _per_token(lambda v: hc_mix(v, lw.hc_ffn_fn, cfg, be), X, 2, be)  # [.., 24]
     pre, post, comb = hc_split_sinkhorn(
         mix,
         lw.hc_ffn_scale.numpy(),
@@ -306,31 +306,16 @@ def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=NO_TRACE, force_experts
         raise MoEError(f"routed_moe_batch: F must be [T, {cfg.n_embd}] and tokens [T], "
                        f"got {list(F.shape)} and {list(tokens.shape)}")
     gate_w, up_w, down_w = _expert_tensors(lw)
-    T, k = F.shape[0], cfg.n_expert_used
     xq = be.quantize_q8_K(F)  # [T, n_embd] int8 rows
     _trace_quant(trace, "q8k.ffn_gate_up_exps", xq)
     # [T, k]
     sel, weights = select_experts(cfg, lw, F, tokens, be, trace, force_experts)
 
-    tok_of = np.repeat(np.arange(T), k)  # pair p = t*k + slot
-    slot_of = np.tile(np.arange(k), T)
-    expert_of = sel.reshape(-1)
-    gate = np.empty((T, k, cfg.n_ff_exp), np.float32)
-    up = np.empty_like(gate)
-    pair, down_mv = be.expert_pair(gate_w), be.expert_matvec(down_w)
-    for e in np.unique(expert_of):  # each active expert once
-        p = np.flatnonzero(expert_of == e)
-        t, s = tok_of[p], slot_of[p]
-        gate[t, s], up[t, s] = pair(
-            gate_w.expert(int(e)), up_w.expert(int(e)), q8k_rows(xq, t)
-        )
+    # each active expert once on all its (token, slot) pairs
+    gate, up = be.routed_experts_gate_up_batch(gate_w, up_w, sel, xq)  # [T, k, n_ff]
     mid = (swiglu(gate, up, cfg.swiglu_clamp) * weights[..., None]).astype(np.float32)
     midq = be.quantize_q8_K(mid)                                     # [T, k, n_ff]
-    down = np.empty((T, k, cfg.n_embd), np.float32)
-    for e in np.unique(expert_of):
-        p = np.flatnonzero(expert_of == e)
-        t, s = tok_of[p], slot_of[p]
-        down[t, s] = down_mv(down_w.expert(int(e)), q8k_rows(midq, (t, s)))
+    down = be.routed_experts_down_batch(down_w, sel, midq)           # [T, k, n_embd]
     moe = sum_slots(down)  # per token, slot order
 
     trace("exp_gate", gate)

@@ -200,3 +200,50 @@ def routed_experts_down(w_down3, ids, a, matvec=matvec_q2_K_q8_K):
     calling backend's); backends fuse it (be.routed_experts_down).
     Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
     return sum_slots(experts_down(w_down3, ids, a, matvec))
+
+
+def _batch_slots(w3, sel) -> np.ndarray:
+    """sel as int array [T, k] of valid experts of the 3-D tensor w3."""
+    sel = np.asarray(sel)
+    if sel.ndim != 2:
+        raise MoEError(f"routed experts (batch): expert ids must be [T, k], got "
+                       f"{list(sel.shape)}")
+    return _check_slots(w3, sel.reshape(-1), "routed experts").reshape(sel.shape)
+
+
+def _pairs_by_expert(sel):
+    """(expert, tokens, slots) for every expert of sel [T, k], in increasing expert
+    order: the (token, slot) pairs that chose it."""
+    T, k = sel.shape
+    tok_of, slot_of = np.repeat(np.arange(T), k), np.tile(np.arange(k), T)
+    expert_of = sel.reshape(-1)            # pair p = t * k + slot
+    for e in np.unique(expert_of):
+        p = np.flatnonzero(expert_of == e)
+        yield int(e), tok_of[p], slot_of[p]
+
+
+def experts_gate_up_batch(w_gate3, w_up3, sel, xq,
+                          pair_matvec=matvec_iq2_xxs_pair_q8_K):
+    """gate, up float32 [T, k, n_ff]: the gate and up rows of expert sel[t, s] on token
+    t's Q8_K activation (xq [T, n]) for every pair, each active expert's pair_matvec run
+    once on all its tokens.
+    Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its gate/up pass"""
+    sel = _batch_slots(w_gate3, sel)
+    gate = np.empty(sel.shape + (int(w_gate3.shape[1]),), np.float32)
+    up = np.empty_like(gate)
+    for e, t, s in _pairs_by_expert(sel):
+        gate[t, s], up[t, s] = pair_matvec(w_gate3.expert(e), w_up3.expert(e),
+                                           q8k_rows(xq, t))
+    return gate, up
+
+
+def experts_down_batch(w_down3, sel, midq, matvec=matvec_q2_K_q8_K):
+    """down float32 [T, k, n_embd]: expert sel[t, s]'s down rows on the pair's own
+    Q8_K row of midq [T, k, n_ff], each active expert's matvec run once on all its
+    pairs.
+    Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its down pass"""
+    sel = _batch_slots(w_down3, sel)
+    down = np.empty(sel.shape + (int(w_down3.shape[1]),), np.float32)
+    for e, t, s in _pairs_by_expert(sel):
+        down[t, s] = matvec(w_down3.expert(e), q8k_rows(midq, (t, s)))
+    return down

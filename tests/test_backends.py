@@ -544,3 +544,79 @@ def test_bad_expert_ids_and_attention_shapes_raise_before_any_kernel_runs(name, 
         be.attention_rows(q, rows[:, :-1], L.attn_sinks)                       # kv rows narrower than the heads
     with pytest.raises(ValueError, match="attention"):
         be.attention_rows(q, rows, np.zeros(cfg.n_head - 1, np.float32))       # one sink short
+
+
+# a prefill's routed experts in one parallel loop per pass (appendix D.3h; chapter 7's batch ops)
+def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
+    """NumbaBackend.routed_experts_gate_up_batch / _down_batch (one parallel loop per pass, heavy experts by the
+    lanes kernel) against chapter 3's composition over numba's own per-expert matvecs and against numpy's
+    reference: the same bits, on the oracle model's experts with a routing where some experts take one pair, some
+    a few and one more than IQ2_XXS_LANES_MIN_T; bad expert ids raise as the reference does."""
+    import ds4ref.backends.numba_batch as nbb
+    from ds4ref.backend import NumpyBackend
+    from ds4ref.backends.numba_iq2 import IQ2_XXS_LANES_MIN_T
+    from ds4ref.moe import MoEError
+    from ds4ref.quant import quantize_q8_K
+    cfg, W = model
+    nb = get_backend("numba", strict=True)
+    rng = np.random.default_rng(3)
+    T, k = 3 * IQ2_XXS_LANES_MIN_T, cfg.n_expert_used
+    sel = np.stack([rng.choice(cfg.n_expert, k, replace=False) for _ in range(T)])
+    sel[:, 0] = 5                                          # expert 5: every token (a heavy expert)
+    L = W.layers[4]
+    xq = quantize_q8_K(rng.standard_normal((T, cfg.n_embd)).astype(np.float32))
+    midq = quantize_q8_K(rng.standard_normal((T, k, cfg.n_ff_exp)).astype(np.float32))
+    called = []
+    real = nbb.run_kernel
+    monkeypatch.setattr(nbb, "run_kernel", lambda kern, *a, **kw: (called.append(kern), real(kern, *a, **kw)))
+    fused = nb.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
+    composed = NumpyBackend.routed_experts_gate_up_batch(nb, L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
+    ref = NUMPY.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
+    for f, c, r in zip(fused, composed, ref):
+        assert f.shape == (T, k, cfg.n_ff_exp) and np.array_equal(f, c) and np.array_equal(f, r)
+    down = nb.routed_experts_down_batch(L.ffn_down_exps, sel, midq)
+    assert down.shape == (T, k, cfg.n_embd)
+    assert np.array_equal(down, NumpyBackend.routed_experts_down_batch(nb, L.ffn_down_exps, sel, midq))
+    assert np.array_equal(down, NUMPY.routed_experts_down_batch(L.ffn_down_exps, sel, midq))
+    assert called == [k for k in (nbb.EXPERTS_GATE_UP_BATCH, nbb.EXPERTS_DOWN_BATCH) if k is not None]
+    bad = sel.copy()
+    bad[1, 2] = cfg.n_expert
+    for f in (lambda s: NUMPY.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, s, xq),
+              lambda s: NUMPY.routed_experts_down_batch(L.ffn_down_exps, s, midq)):
+        with pytest.raises(MoEError, match="expert id outside"):
+            f(bad)
+    with pytest.raises(MatvecError, match="expert ids"):
+        nb.routed_experts_down_batch(L.ffn_down_exps, bad, midq)
+
+
+def test_expert_pairs_groups_every_pair_once():
+    """expert_pairs: each expert's run of pairs, experts increasing, every pair p = t k + s exactly once."""
+    from ds4ref.backends.numba_batch import expert_pairs
+    rng = np.random.default_rng(5)
+    sel = np.stack([rng.choice(40, 6, replace=False) for _ in range(17)])
+    experts, ptr, pairs = expert_pairs(sel)
+    assert (np.diff(experts) > 0).all() and ptr[0] == 0 and ptr[-1] == sel.size
+    assert sorted(pairs.tolist()) == list(range(sel.size))
+    for j, e in enumerate(experts):
+        run = pairs[ptr[j]:ptr[j + 1]]
+        assert (sel.reshape(-1)[run] == e).all() and (np.diff(run) > 0).all()
+
+
+def test_numba_f16_and_hc_pre_are_batch_invariant(model):
+    """NumbaBackend declares f16_batch_invariant (numpy does not): its F16 matvec gives each row of a batch, and so
+    chapter 4's hc_pre and chapter 7's router give each token, the bits they give alone."""
+    from ds4ref.hc import hc_pre
+    from ds4ref.moe import router_probs
+    cfg, W = model
+    nb = get_backend("numba", strict=True)
+    assert nb.f16_batch_invariant and not NUMPY.f16_batch_invariant
+    rng = np.random.default_rng(8)
+    Xs = rng.standard_normal((37, cfg.n_hc, cfg.n_embd)).astype(np.float32)
+    L = W.layers[2]
+    batch = hc_pre(Xs, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, cfg, nb)
+    logits, probs = router_probs(L, Xs[:, 1], nb)
+    for t in (0, 17, 36):
+        alone = hc_pre(Xs[t], L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, cfg, nb)
+        assert all(np.array_equal(b[t], a) for b, a in zip(batch, alone)), t
+        lt, pt = router_probs(L, Xs[t, 1], nb)
+        assert np.array_equal(logits[t], lt) and np.array_equal(probs[t], pt)

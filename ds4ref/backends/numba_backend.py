@@ -51,8 +51,12 @@ from ds4ref.backends.numba_simd import (
     simd_kernels,
 )
 from ds4ref.quant import quantize_q8_K
-# D.3g's activation quantizers
+# D.3g's activation quantizers, D.3h's prefill experts
 from ds4ref.backends.numba_glue import numba_quantize_q8_0, numba_quantize_q8_K
+from ds4ref.backends.numba_batch import (
+    numba_experts_down_batch,
+    numba_experts_gate_up_batch,
+)
 
 def choose_threading_layer() -> str:
     """numba's threading layer for this process: NUMBA_THREADING_LAYER if set, else
@@ -231,6 +235,8 @@ class NumbaBackend(NumpyBackend):
             "routed_experts_down",
             "matvec_iq2_xxs_q8_K",
             "matvec_q4_K_q8_K",
+            "routed_experts_gate_up_batch",
+            "routed_experts_down_batch",
         }
     )
     partial = FUSED_PARTIAL
@@ -244,6 +250,25 @@ class NumbaBackend(NumpyBackend):
     # host glue (chapter 3): D.3g's quantizers, chapter 2's bits
     quantize_q8_0 = staticmethod(numba_quantize_q8_0)
     quantize_q8_K = staticmethod(numba_quantize_q8_K)
+    # f16_kernel runs the same loop for each (row, token) whatever the batch, so a
+    # prefill may run its HC mix and router for all tokens at once (chapters 6, 7)
+    f16_batch_invariant = True
+
+    def routed_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq):
+        """A prefill's gate/up pass in one parallel loop (D.3h); where that does not
+        apply, chapter 3's composition over this backend's pair matvec.
+        Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
+        out = numba_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq)
+        return out or NumpyBackend.routed_experts_gate_up_batch(self, w_gate3, w_up3,
+                                                                 sel, xq)
+
+    def routed_experts_down_batch(self, w_down3, sel, midq):
+        """A prefill's down pass in one parallel loop (D.3h); where that does not
+        apply, chapter 3's composition over this backend's Q2_K matvec.
+        Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
+        out = numba_experts_down_batch(w_down3, sel, midq)
+        return NumpyBackend.routed_experts_down_batch(self, w_down3, sel, midq) \
+            if out is None else out
 
     def matvec_q8_0_grouped(self, w, x) -> np.ndarray:
         """All groups of one token in one parallel loop (D.3e's grouped kernel); where

@@ -304,31 +304,41 @@ _iq2_xxs_token_dot = _iq2_xxs_token_dot_intrinsic()
 
 
 @njit(inline="always")
+def _iq2_xxs_decoded_dots(q, sc, c, d, xu, yd, t):
+    """(gate, up) of the pair of rows decoded in q, sc, c, d (k = 0 gate, 1 up; as
+    _iq2_xxs_decode_row leaves them) against token t of xu (y + 128) and yd; (1/8) acc
+    as in _iq2_xxs_row, block by block."""
+    nb = q.shape[1]
+    qa, sa = q.ctypes.data, sc.ctypes.data
+    xr = xu.ctypes.data + t * xu.strides[0]
+    acc_g, acc_u = np.float32(0.0), np.float32(0.0)
+    for b in range(nb):
+        bg = _iq2_xxs_token_dot(qa + 256 * b, sa + 32 * b, xr + 256 * b)
+        bu = _iq2_xxs_token_dot(qa + 256 * (nb + b), sa + 32 * (nb + b), xr + 256 * b)
+        acc_g += (d[0, b] * yd[t, b]) * np.float32(np.int32(bg - c[0, b]))
+        acc_u += (d[1, b] * yd[t, b]) * np.float32(np.int32(bu - c[1, b]))
+    return np.float32(0.125) * acc_g, np.float32(0.125) * acc_u
+
+
+@njit(inline="always")
+def _iq2_xxs_scratch(nb):
+    """Scratch for one decoded pair of rows (gate k = 0, up k = 1): q int8 [2, nb, 256],
+    sc int32 [2, nb, 8], c int32 [2, nb], d float32 [2, nb]."""
+    return (np.empty((2, nb, 256), np.int8), np.empty((2, nb, 8), np.int32),
+            np.empty((2, nb), np.int32), np.empty((2, nb), np.float32))
+
+
+@njit(inline="always")
 def _iq2_xxs_tokens_rows(wg, wu, task, xu, yd, ga, ma, lut, out_g, out_u):
     """Rows 16 task .. 16 task + 15 of the gate and up weights: each pair of rows
-    decoded once, then dotted with every token block by block; (1/8) acc as in
-    _iq2_xxs_row."""
-    nb = wg.shape[1] // 66
-    q = np.empty((2, nb, 256), np.int8)        # gate (k = 0) and up (k = 1), decoded
-    sc = np.empty((2, nb, 8), np.int32)
-    c = np.empty((2, nb), np.int32)
-    d = np.empty((2, nb), np.float32)
-    qa, sa = q.ctypes.data, sc.ctypes.data
+    decoded once, then dotted with every token."""
+    q, sc, c, d = _iq2_xxs_scratch(wg.shape[1] // 66)
     r0 = task * IQ2_XXS_LANES_ROWS
     for r in range(r0, min(r0 + IQ2_XXS_LANES_ROWS, wg.shape[0])):
         _iq2_xxs_decode_row(wg, r, ga, ma, q, sc, c, d, 0, lut)
         _iq2_xxs_decode_row(wu, r, ga, ma, q, sc, c, d, 1, lut)
         for t in range(xu.shape[0]):
-            xr = xu.ctypes.data + t * xu.strides[0]
-            acc_g, acc_u = np.float32(0.0), np.float32(0.0)
-            for b in range(nb):
-                bg = _iq2_xxs_token_dot(qa + 256 * b, sa + 32 * b, xr + 256 * b)
-                bu = _iq2_xxs_token_dot(qa + 256 * (nb + b), sa + 32 * (nb + b),
-                                        xr + 256 * b)
-                acc_g += (d[0, b] * yd[t, b]) * np.float32(np.int32(bg - c[0, b]))
-                acc_u += (d[1, b] * yd[t, b]) * np.float32(np.int32(bu - c[1, b]))
-            out_g[t, r] = np.float32(0.125) * acc_g
-            out_u[t, r] = np.float32(0.125) * acc_u
+            out_g[t, r], out_u[t, r] = _iq2_xxs_decoded_dots(q, sc, c, d, xu, yd, t)
 
 
 @njit(parallel=True, cache=True)

@@ -96,14 +96,17 @@ def f16_kernel(w16, x, lut, out):
 
     The weights are converted as they are read, by f16_to_f32 (which vectorises; `lut`
     is only kept for the kernels' common signature). Reassociation allowed, as ds4.c's
-    -ffast-math build allows it.
+    -ffast-math build allows it. One job per (token, row), token-major, so that a
+    batch's token stays in cache while the rows pass it; every job is the same loop, so
+    a row's bits do not depend on the batch.
     Mirrors ds4.c: dot_f16_row (l. 2808)"""
-    for r in prange(w16.shape[0]):
-        for t in range(x.shape[0]):
-            acc = np.float32(0.0)
-            for i in range(w16.shape[1]):
-                acc += f16_to_f32(w16[r, i]) * x[t, i]
-            out[t, r] = acc
+    rows = w16.shape[0]
+    for job in prange(x.shape[0] * rows):
+        t, r = job // rows, job % rows
+        acc = np.float32(0.0)
+        for i in range(w16.shape[1]):
+            acc += f16_to_f32(w16[r, i]) * x[t, i]
+        out[t, r] = acc
 
 
 @njit(inline="always")
