@@ -717,3 +717,36 @@ def test_q8_0_grouped_kernels_on_ds4_attention_output(model, ops_A):
             heads = ops_A[f"L{il}.P{p}.heads_unrope"].reshape(cfg.n_out_group, -1)
             low = NUMBA.matvec_q8_0_grouped(w.layers[il].attn_output_a.data, heads)
             assert np.array_equal(low.reshape(-1), ops_A[f"L{il}.P{p}.attn_low"].reshape(-1)), (il, p)
+
+
+# F16 by vcvtph2ps (appendix D, D.3i)
+import ds4ref.backends.numba_f16 as nf  # noqa: E402
+
+
+def test_f16_simd_follows_the_host_features_and_is_the_matvecs_choice(monkeypatch):
+    assert (nf.F16_SIMD is not None) == ("avx2" in ns.host_simd())
+    assert nm.F16_SIMD is nf.F16_SIMD
+    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    assert ns.simd_kernels(((nf.f16_f16c_kernel, "avx2"),)) == []
+
+
+@pytest.mark.skipif(nf.F16_SIMD is None, reason="this CPU (or NUMBA_CPU_NAME) lacks AVX2/F16C: the vcvtph2ps kernel "
+                    "cannot run here")
+@pytest.mark.parametrize("n", [16, 100, 1000, 4096])
+def test_f16_simd_equals_an_exact_float64_dot_within_float32_rounding(n):
+    """Every f16 pattern class (normal, subnormal, the largest finite, signed zero) converted exactly: the
+    kernel's dots against float64 sums of the exact products, within a few float32 ulps of the row's absolute
+    sum; lengths leaving remainders after 64 and 16; each (token, row) as it is alone."""
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((21, n)).astype(np.float16)
+    w.reshape(-1)[:8] = np.array([6.1e-05, 5.96e-08, 65504.0, -0.0, 1e-6, -65504.0, 2.0 ** -24, 3.0],
+                                 np.float16)[: min(8, w.size)]
+    x = rng.standard_normal((5, n)).astype(np.float32)
+    out = np.empty((5, 21), np.float32)
+    nk.run_kernel(nf.F16_SIMD, w.view(np.uint16), x, nk.F16_TO_F32, out)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w.astype(np.float64)).T
+    assert (np.abs(out - exact) <= 8 * np.finfo(np.float32).eps * scale + 1e-30).all()
+    alone = np.empty((1, 21), np.float32)
+    nk.run_kernel(nf.F16_SIMD, w.view(np.uint16), np.ascontiguousarray(x[3:4]), nk.F16_TO_F32, alone)
+    assert np.array_equal(alone[0], out[3])

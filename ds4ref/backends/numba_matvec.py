@@ -41,6 +41,7 @@ from ds4ref.backends.numba_vnni import (
 )
 from ds4ref.backends.numba_rows import Q8_0_ROWS_AVX2, Q8_0_ROWS_GROUPED, Q8_0_ROWS_VNNI
 from ds4ref.backends.numba_glue import numba_quantize_q8_0
+from ds4ref.backends.numba_f16 import F16_SIMD
 from ds4ref.matvec import (
     MatvecError,
     float_input,
@@ -127,7 +128,8 @@ def numba_matvec_q8_0_grouped(w, x) -> np.ndarray | None:
 
 
 def numba_matvec_f16(w, x) -> np.ndarray:
-    """As ds4ref.matvec.matvec_f16, by f16_kernel.
+    """As ds4ref.matvec.matvec_f16, by D.3i's F16_SIMD where the CPU has F16C, else by
+    f16_kernel.
     Mirrors ds4.c: matvec_f16 (l. 2841)"""
     raw = _rows(w, F16)
     x = float_input(raw, x, F16)
@@ -135,7 +137,7 @@ def numba_matvec_f16(w, x) -> np.ndarray:
     x2 = np.ascontiguousarray(x.reshape(-1, n), dtype=np.float32)
     out = _out(len(x2), raw.shape[0])
     run_kernel(
-        f16_kernel,
+        F16_SIMD or f16_kernel,
         raw.view(np.uint16),
         x2,
         F16_TO_F32,
