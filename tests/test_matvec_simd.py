@@ -750,3 +750,60 @@ def test_f16_simd_equals_an_exact_float64_dot_within_float32_rounding(n):
     alone = np.empty((1, 21), np.float32)
     nk.run_kernel(nf.F16_SIMD, w.view(np.uint16), np.ascontiguousarray(x[3:4]), nk.F16_TO_F32, alone)
     assert np.array_equal(alone[0], out[3])
+
+
+# DS4REF_SIMD narrows the probe (appendix D.2): one machine runs another's code paths
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+_LOGITS = """
+import sys, numpy as np
+from ds4ref.engine import Engine
+from ds4ref.backends.numba_simd import host_simd
+eng = Engine.open("data/oracle/dev_seed1.gguf", backend="numba")
+s = eng.session(ctx_size=128)
+s.sync([0, 511, 574, 370, 228, 17, 42, 99, 7, 300, 301, 302])
+rows = [s.logits.copy()]
+for tok in (5, 77, 300, 12):
+    rows.append(s.eval(tok).copy())
+np.save(sys.argv[1], np.stack(rows))
+print(",".join(sorted(host_simd())))
+"""
+
+
+def _run(code: str, level: str | None, *args) -> subprocess.CompletedProcess:
+    import os
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "DS4REF_SIMD"}
+    if level is not None:
+        env["DS4REF_SIMD"] = level
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+def test_ds4ref_simd_narrows_the_probe_and_rejects_unknown_levels():
+    probe = "from ds4ref.backends.numba_simd import host_simd; print(','.join(sorted(host_simd())))"
+    full = _run(probe, None).stdout.strip()
+    assert _run(probe, "avx512").stdout.strip() == full
+    assert _run(probe, "avx2").stdout.strip() == ("avx2" if "avx2" in full.split(",") else "")
+    assert _run(probe, "none").stdout.strip() == ""
+    bad = _run("import ds4ref.backends.numba_backend", "avx9")
+    assert bad.returncode != 0
+    assert "SimdSettingError: DS4REF_SIMD='avx9': expected one of none, avx2, avx512" in bad.stderr
+
+
+@pytest.mark.skipif("avx2" not in ns.host_simd(), reason="this CPU (or NUMBA_CPU_NAME) lacks AVX2: no AVX2 path to "
+                    "compare")
+def test_the_avx2_path_gives_the_engine_the_same_bits(tmp_path):
+    """The numba engine on the oracle model (a 12-token prefill, 4 decode steps) with the probe narrowed to AVX2
+    gives the bits of its own default path: every kernel the AVX-512 path swaps in is bit-exact with its AVX2
+    twin (and with the portable kernel), and both take the same F16C kernel. On a CPU without AVX-512 both runs
+    take the same kernels."""
+    runs = {}
+    for level in (None, "avx2"):
+        out = tmp_path / f"{level}.npy"
+        r = _run(_LOGITS, level, out)
+        assert r.returncode == 0, r.stderr
+        runs[level] = (r.stdout.strip(), np.load(out))
+    assert runs["avx2"][0] == "avx2"
+    assert np.array_equal(runs[None][1], runs["avx2"][1])

@@ -5,10 +5,13 @@ and IQ2_XXS dots of appendix D with the same integers as the portable kernels, a
 one CPU probe that picks them."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import config, njit, prange
 
 from ds4ref.backends.numba_kernels import IQ2XXS_SIGNS, _f16
+from ds4ref.gguf import DS4RefError
 
 from llvmlite import binding as _llvm_binding, ir
 from numba import types
@@ -163,21 +166,35 @@ def q2_K_avx512_kernel(w, yq, yd, ybs, lut, out):
             out[t, r] = _q2_K_row_simd(_q2_K_block_avx512, w, r, yq, yd, ybs, t, lut)
 
 
+# DS4REF_SIMD's values: the instruction sets each one lets host_simd report at most
+SIMD_LEVELS = {"none": (), "avx2": ("avx2",),
+               "avx512": ("avx2", "avx512bw", "avx512vnni")}
+
+
+class SimdSettingError(DS4RefError, ValueError):
+    """DS4REF_SIMD names no level of SIMD_LEVELS (the message lists them)."""
+
+
 def host_simd() -> frozenset:
     """The byte-dot instruction sets ("avx2", "avx512bw", "avx512vnni" with AVX-512VL)
-    that the numba kernels may use on this CPU, from llvmlite's host features; none
-    where numba compiles for another target (NUMBA_CPU_NAME set: a generic target may
-    lack them) or the features cannot be read. The one CPU probe of ds4ref (chapter
-    9's fused kernels use it too).
+    that the numba kernels may use on this CPU, from llvmlite's host features, at most
+    those of the level DS4REF_SIMD names (SIMD_LEVELS; unset: all); none where numba
+    compiles for another target (NUMBA_CPU_NAME set: a generic target may lack them) or
+    the features cannot be read. The one CPU probe of ds4ref (chapter 9's fused kernels
+    use it too).
     Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1772) (which picks its NEON path at compile
     time)"""
+    level = os.environ.get("DS4REF_SIMD", "avx512").strip().lower()
+    if level not in SIMD_LEVELS:
+        raise SimdSettingError(f"DS4REF_SIMD={level!r}: expected one of "
+                               f"{', '.join(SIMD_LEVELS)}")
     if config.CPU_NAME not in (None, "host"):
         return frozenset()
     try:
         features = _llvm_binding.get_host_cpu_features()
     except RuntimeError:  # llvmlite cannot read the features on some hosts
         return frozenset()
-    have = {f for f in ("avx2", "avx512bw", "avx512vnni") if features.get(f, False)}
+    have = {f for f in SIMD_LEVELS[level] if features.get(f, False)}
     if not features.get("avx512vl", False):  # the VNNI decode dot is 256 bits wide
         have.discard("avx512vnni")
     return frozenset(have)

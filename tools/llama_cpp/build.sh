@@ -3,6 +3,8 @@
 # `--llama-cpp DIR` rows (python -m ds4ref.dev.bench engine --llama-cpp DIR).
 #
 #   tools/llama_cpp/build.sh OUTDIR            # -> OUTDIR/bin/llama-bench
+#   LLAMA_CPU=avx2 tools/llama_cpp/build.sh OUTDIR   # x86 AVX2 kernels only (FMA, F16C, BMI2), as on a
+#                                              # CPU without AVX-512; beside DS4REF_SIMD=avx2 for ds4ref
 #
 # The source: the sdist of llama-cpp-python 0.3.36 from PyPI, which vendors llama.cpp at commit
 # 0c1e57098bba (pinned by the sdist's sha256 below). One change is applied before building, and the
@@ -40,7 +42,13 @@ line=$(grep -n "llama_kv_cache::build_input_k_rot" "$F" | head -1 | cut -d: -f1)
 sed -i "$((line + 3))s|^    if (attn_rot_k) {|$NEW|" "$F"
 grep -q "ds4ref: no K rows" "$F" || { echo "build.sh: guard not applied" >&2; exit 1; }
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-cmake -S "$LC" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+case ${LLAMA_CPU:-native} in
+  native) CPU_FLAGS=(-DGGML_NATIVE=ON) ;;
+  avx2)   CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                     -DGGML_BMI2=ON) ;;
+  *) echo "build.sh: LLAMA_CPU=$LLAMA_CPU: expected native or avx2" >&2; exit 2 ;;
+esac
+cmake -S "$LC" -B build -DCMAKE_BUILD_TYPE=Release "${CPU_FLAGS[@]}" -DLLAMA_CURL=OFF \
   "-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX" \
   -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON >build.log 2>&1
