@@ -211,15 +211,25 @@ def _batch_slots(w3, sel) -> np.ndarray:
     return _check_slots(w3, sel.reshape(-1), "routed experts").reshape(sel.shape)
 
 
+def expert_pairs(sel):
+    """The pairs of sel [T, k] (pair p = t k + s) grouped by expert: (experts int64
+    [E], ptr int64 [E + 1], pairs int64 [T k]); expert experts[j]'s pairs are
+    pairs[ptr[j]:ptr[j + 1]], in increasing order (a stable sort by expert).
+    Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its buckets by expert"""
+    flat = np.asarray(sel, np.int64).reshape(-1)
+    pairs = np.argsort(flat, kind="stable")
+    experts, counts = np.unique(flat[pairs], return_counts=True)
+    return experts, np.concatenate([[0], np.cumsum(counts)]), pairs
+
+
 def _pairs_by_expert(sel):
     """(expert, tokens, slots) for every expert of sel [T, k], in increasing expert
     order: the (token, slot) pairs that chose it."""
-    T, k = sel.shape
-    tok_of, slot_of = np.repeat(np.arange(T), k), np.tile(np.arange(k), T)
-    expert_of = sel.reshape(-1)            # pair p = t * k + slot
-    for e in np.unique(expert_of):
-        p = np.flatnonzero(expert_of == e)
-        yield int(e), tok_of[p], slot_of[p]
+    k = sel.shape[1]
+    experts, ptr, pairs = expert_pairs(sel)
+    for j, e in enumerate(experts):
+        p = pairs[ptr[j]:ptr[j + 1]]
+        yield int(e), p // k, p % k
 
 
 def experts_gate_up_batch(w_gate3, w_up3, sel, xq,

@@ -591,7 +591,7 @@ def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
 
 def test_expert_pairs_groups_every_pair_once():
     """expert_pairs: each expert's run of pairs, experts increasing, every pair p = t k + s exactly once."""
-    from ds4ref.backends.numba_batch import expert_pairs
+    from ds4ref.ops import expert_pairs
     rng = np.random.default_rng(5)
     sel = np.stack([rng.choice(40, 6, replace=False) for _ in range(17)])
     experts, ptr, pairs = expert_pairs(sel)

@@ -259,23 +259,28 @@ class NumbaBackend(NumpyBackend):
         apply, chapter 3's composition over this backend's pair matvec.
         Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
         out = numba_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq)
-        return out or NumpyBackend.routed_experts_gate_up_batch(self, w_gate3, w_up3,
-                                                                 sel, xq)
+        if out is None:
+            return NumpyBackend.routed_experts_gate_up_batch(self, w_gate3, w_up3, sel,
+                                                             xq)
+        return out
 
     def routed_experts_down_batch(self, w_down3, sel, midq):
         """A prefill's down pass in one parallel loop (D.3h); where that does not
         apply, chapter 3's composition over this backend's Q2_K matvec.
         Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
         out = numba_experts_down_batch(w_down3, sel, midq)
-        return NumpyBackend.routed_experts_down_batch(self, w_down3, sel, midq) \
-            if out is None else out
+        if out is None:
+            return NumpyBackend.routed_experts_down_batch(self, w_down3, sel, midq)
+        return out
 
     def matvec_q8_0_grouped(self, w, x) -> np.ndarray:
         """All groups of one token in one parallel loop (D.3e's grouped kernel); where
         that does not apply, chapter 3's composition over this backend's matvec_q8_0.
         Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
         out = numba_matvec_q8_0_grouped(w, x)
-        return NumpyBackend.matvec_q8_0_grouped(self, w, x) if out is None else out
+        if out is None:
+            return NumpyBackend.matvec_q8_0_grouped(self, w, x)
+        return out
 
     def routed_experts_mid(
         self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0

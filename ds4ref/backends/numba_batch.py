@@ -25,28 +25,17 @@ from ds4ref.backends.numba_simd import (
     simd_kernels,
 )
 from ds4ref.matvec import q8_K_fields, row_elements, weight_rows
-from ds4ref.ops import q8k_rows
+from ds4ref.ops import expert_pairs, q8k_rows
 from ds4ref.quant import IQ2_XXS, Q2_K, Q8KAct
 
 
-def expert_pairs(sel: np.ndarray):
-    """The pairs of sel [T, k] (pair p = t k + s) grouped by expert: (experts int64
-    [E], ptr int64 [E + 1], pairs int64 [T k]); expert experts[j]'s pairs are
-    pairs[ptr[j]:ptr[j + 1]], in increasing order.
-    Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its buckets by expert"""
-    flat = np.asarray(sel, np.int64).reshape(-1)
-    pairs = np.argsort(flat, kind="stable")
-    experts, counts = np.unique(flat[pairs], return_counts=True)
-    return experts, np.concatenate([[0], np.cumsum(counts)]), pairs
-
-
 @njit(parallel=True, cache=True)
-def experts_gate_up_batch_kernel(wg, wu, rows, experts, ptr, pairs, k, xu, yd, grid,
-                                 masks, lut, gate, up):
-    """gate, up [T k, rows]: row r of expert e's gate/up (rows e rows + r of wg, wu,
-    uint8 [n_expert rows, row_bytes]) against token p // k of xu (y + 128, uint8 [T,
-    n]; yd its scales) for each pair p of e; tasks of (expert, 16 rows), each row
-    decoded once (D.3f).
+def experts_gate_up_batch_kernel(wg, wu, rows, experts, starts, stops, pairs, k, xu,
+                                 yd, grid, masks, lut, gate, up):
+    """gate, up [T k, rows]: row r of expert e = experts[j]'s gate/up (rows e rows + r
+    of wg, wu, uint8 [n_expert rows, row_bytes]) against token p // k of xu (y + 128,
+    uint8 [T, n]; yd its scales) for each pair p of pairs[starts[j]:stops[j]]; tasks of
+    (expert, 16 rows), each row decoded once (D.3f).
     Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its gate/up pass"""
     ga, ma = grid.ctypes.data, masks.ctypes.data
     tiles = -(-rows // IQ2_XXS_LANES_ROWS)
@@ -58,47 +47,48 @@ def experts_gate_up_batch_kernel(wg, wu, rows, experts, ptr, pairs, k, xu, yd, g
             row = experts[j] * rows + r
             _iq2_xxs_decode_row(wg, row, ga, ma, q, sc, c, d, 0, lut)
             _iq2_xxs_decode_row(wu, row, ga, ma, q, sc, c, d, 1, lut)
-            for i in range(ptr[j], ptr[j + 1]):
+            for i in range(starts[j], stops[j]):
                 p = pairs[i]
                 g, u = _iq2_xxs_decoded_dots(q, sc, c, d, xu, yd, p // k)
                 gate[p, r], up[p, r] = g, u
 
 
 @njit(inline="always")
-def _down_tile(block, wd, rows, experts, ptr, pairs, task, tiles, yq, yd, ybs, lut,
-               down):
+def _down_tile(block, wd, rows, experts, starts, stops, pairs, task, tiles, yq, yd,
+               ybs, lut, down):
     """Task (expert j, tile) of the down pass: D.2's Q2_K row for each pair of j."""
     j, tile = task // tiles, task % tiles
     for r in range(16 * tile, min(16 * tile + 16, rows)):
         row = experts[j] * rows + r
-        for i in range(ptr[j], ptr[j + 1]):
+        for i in range(starts[j], stops[j]):
             p = pairs[i]
             down[p, r] = _q2_K_row_simd(block, wd, row, yq, yd, ybs, p, lut)
 
 
 # Twins for D.2's reason (its comment at q2_K_avx2_kernel).
 @njit(parallel=True, cache=True)
-def experts_down_batch_avx512_kernel(wd, rows, experts, ptr, pairs, yq, yd, ybs, lut,
-                                     down):
-    """down [T k, rows]: row r of expert e's Q2_K down (rows e rows + r of wd) against
-    Q8_K row p of (yq, yd, ybs) [T k, ...] for each pair p of e; tasks of (expert, 16
-    rows), each dot by D.2's AVX-512BW block.
+def experts_down_batch_avx512_kernel(wd, rows, experts, starts, stops, pairs, yq, yd,
+                                     ybs, lut, down):
+    """down [T k, rows]: row r of expert e = experts[j]'s Q2_K down (rows e rows + r of
+    wd) against Q8_K row p of (yq, yd, ybs) [T k, ...] for each pair p of
+    pairs[starts[j]:stops[j]]; tasks of (expert, 16 rows), each dot by D.2's AVX-512BW
+    block.
     Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its down pass"""
     tiles = -(-rows // 16)
     for task in prange(experts.shape[0] * tiles):
-        _down_tile(_q2_K_block_avx512, wd, rows, experts, ptr, pairs, task, tiles, yq,
-                   yd, ybs, lut, down)
+        _down_tile(_q2_K_block_avx512, wd, rows, experts, starts, stops, pairs, task,
+                   tiles, yq, yd, ybs, lut, down)
 
 
 @njit(parallel=True, cache=True)
-def experts_down_batch_avx2_kernel(wd, rows, experts, ptr, pairs, yq, yd, ybs, lut,
-                                   down):
+def experts_down_batch_avx2_kernel(wd, rows, experts, starts, stops, pairs, yq, yd,
+                                   ybs, lut, down):
     """As experts_down_batch_avx512_kernel, each dot by D.2's AVX2 block.
     Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its down pass"""
     tiles = -(-rows // 16)
     for task in prange(experts.shape[0] * tiles):
-        _down_tile(_q2_K_block_avx2, wd, rows, experts, ptr, pairs, task, tiles, yq,
-                   yd, ybs, lut, down)
+        _down_tile(_q2_K_block_avx2, wd, rows, experts, starts, stops, pairs, task,
+                   tiles, yq, yd, ybs, lut, down)
 
 
 # the kernels this CPU runs (None: the backend composes the per-expert matvecs)
@@ -130,16 +120,15 @@ def numba_experts_gate_up_batch(be, w_gate3, w_up3, sel, xq):
     wg, wu = weight_rows(w_gate3, IQ2_XXS), weight_rows(w_up3, IQ2_XXS)
     (yq, yd, _), _ = q8_K_fields(xq, row_elements(wg, IQ2_XXS))
     experts, ptr, pairs = expert_pairs(sel)
-    counts = np.diff(ptr)
-    few = counts < IQ2_XXS_LANES_MIN_T
+    starts, stops = ptr[:-1], ptr[1:]
+    few = stops - starts < IQ2_XXS_LANES_MIN_T
     gate, up = np.empty((T * k, rows), np.float32), np.empty((T * k, rows), np.float32)
     if few.any():
-        run_kernel(EXPERTS_GATE_UP_BATCH, wg, wu, rows, experts[few],
-                   np.concatenate([[0], np.cumsum(counts[few])]),
-                   pairs[np.repeat(few, counts)], k, iq2_xxs_tokens_operand(yq), yd,
-                   IQ2XXS_GRID, IQ2XXS_SIGN_MASKS, F16_TO_F32, gate, up)
+        run_kernel(EXPERTS_GATE_UP_BATCH, wg, wu, rows, experts[few], starts[few],
+                   stops[few], pairs, k, iq2_xxs_tokens_operand(yq), yd, IQ2XXS_GRID,
+                   IQ2XXS_SIGN_MASKS, F16_TO_F32, gate, up)
     for j in np.flatnonzero(~few):
-        p = pairs[ptr[j]:ptr[j + 1]]
+        p = pairs[starts[j]:stops[j]]
         e = int(experts[j])
         gate[p], up[p] = be.matvec_iq2_xxs_pair_q8_K(w_gate3.expert(e), w_up3.expert(e),
                                                      q8k_rows(xq, p // k))
@@ -160,7 +149,7 @@ def numba_experts_down_batch(w_down3, sel, midq):
     (yq, yd, ybs), _ = q8_K_fields(pairs_act, n)
     experts, ptr, pairs = expert_pairs(sel)
     down = np.empty((T * k, rows), np.float32)
-    run_kernel(EXPERTS_DOWN_BATCH, wd, rows, experts, ptr, pairs,
+    run_kernel(EXPERTS_DOWN_BATCH, wd, rows, experts, ptr[:-1], ptr[1:], pairs,
                np.ascontiguousarray(yq, np.int8), yd, np.ascontiguousarray(ybs),
                F16_TO_F32, down)
     return down.reshape(T, k, rows)

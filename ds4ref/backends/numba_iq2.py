@@ -176,6 +176,14 @@ IQ2_XXS_LANES_ROWS = 16
 
 
 @njit(inline="always")
+def _iq2_xxs_scratch(nb):
+    """Scratch for one decoded pair of rows (gate k = 0, up k = 1): q int8 [2, nb, 256],
+    sc int32 [2, nb, 8], c int32 [2, nb], d float32 [2, nb]."""
+    return (np.empty((2, nb, 256), np.int8), np.empty((2, nb, 8), np.int32),
+            np.empty((2, nb), np.int32), np.empty((2, nb), np.float32))
+
+
+@njit(inline="always")
 def _iq2_xxs_lanes_rows(lanes_fn, L, wg, wu, task, xu, ydl, n_tok, ga, ma, lut, out_g,
                         out_u):
     """Rows 16 task .. 16 task + 15 of the gate and up weights against all tokens: each
@@ -183,11 +191,7 @@ def _iq2_xxs_lanes_rows(lanes_fn, L, wg, wu, task, xu, ydl, n_tok, ga, ma, lut, 
     lanes_fn (a compile-time global, one of the lanes intrinsics); (1/8) acc as in
     _iq2_xxs_row."""
     nb, tiles = wg.shape[1] // 66, xu.shape[0]
-    # gate (k = 0) and up (k = 1) decoded: q [2, nb, 256], sc [2, nb, 8], c, d [2, nb]
-    q = np.empty((2, nb, 256), np.int8)
-    sc = np.empty((2, nb, 8), np.int32)
-    c = np.empty((2, nb), np.int32)
-    d = np.empty((2, nb), np.float32)
+    q, sc, c, d = _iq2_xxs_scratch(nb)      # gate (k = 0) and up (k = 1), decoded
     acc = np.empty((2, tiles, L), np.float32)
     qa, sa, aa = q.ctypes.data, sc.ctypes.data, acc.ctypes.data
     xa, ya = xu.ctypes.data, ydl.ctypes.data
@@ -318,14 +322,6 @@ def _iq2_xxs_decoded_dots(q, sc, c, d, xu, yd, t):
         acc_g += (d[0, b] * yd[t, b]) * np.float32(np.int32(bg - c[0, b]))
         acc_u += (d[1, b] * yd[t, b]) * np.float32(np.int32(bu - c[1, b]))
     return np.float32(0.125) * acc_g, np.float32(0.125) * acc_u
-
-
-@njit(inline="always")
-def _iq2_xxs_scratch(nb):
-    """Scratch for one decoded pair of rows (gate k = 0, up k = 1): q int8 [2, nb, 256],
-    sc int32 [2, nb, 8], c int32 [2, nb], d float32 [2, nb]."""
-    return (np.empty((2, nb, 256), np.int8), np.empty((2, nb, 8), np.int32),
-            np.empty((2, nb), np.int32), np.empty((2, nb), np.float32))
 
 
 @njit(inline="always")

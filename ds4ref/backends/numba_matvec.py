@@ -62,13 +62,19 @@ def _rows(w, ggml_type: int) -> np.ndarray:
     return np.ascontiguousarray(weight_rows(w, ggml_type))
 
 
+def _x_corrections(xq: np.ndarray) -> np.ndarray:
+    """128 sum x per (token, block) of int8 codes xq [T, n]: int32 [T, n/32], the VNNI
+    kernels' offset (D.3b), once per call instead of once per weight row."""
+    return 128 * xq.reshape(len(xq), -1, 32).sum(-1, dtype=np.int32)
+
+
 def _q8_0_few(kernel, raw, xq, xd, out) -> None:
     """out = the Q8_0 matvec of a few tokens by a one-token or row-lanes kernel (their
-    shared signature), with the 128 sum x corrections computed once.
+    shared signature).
     Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
     xq, xd = np.ascontiguousarray(xq), np.ascontiguousarray(xd)
-    xc = 128 * xq.reshape(len(xq), -1, 32).sum(-1, dtype=np.int32)
-    run_kernel(kernel, raw, xq, xd, xc, F16_TO_F32, out, rows=out.shape[1])
+    run_kernel(kernel, raw, xq, xd, _x_corrections(xq), F16_TO_F32, out,
+               rows=out.shape[1])
 
 
 def _q8_0_vnni(raw, xq, xd, out) -> None:
@@ -116,14 +122,13 @@ def numba_matvec_q8_0_grouped(w, x) -> np.ndarray | None:
         return None
     kernel, R, minus_128_ok = Q8_0_ROWS_GROUPED
     G, k = x.shape
-    if G == 0 or raw.shape[0] % (G * R) or k % 32 or row_elements(raw, Q8_0) != k:
+    if G == 0 or raw.shape[0] % (G * R) or row_elements(raw, Q8_0) != k:
         return None
     a = numba_quantize_q8_0(x)                          # qs [G, k], d [G, k/32]
     if not minus_128_ok and (a.qs == -128).any():
         return None
-    xc = 128 * a.qs.reshape(G, -1, 32).sum(-1, dtype=np.int32)
     out = _out(1, raw.shape[0])
-    run_kernel(kernel, raw, a.qs, a.d, xc, out, rows=raw.shape[0])
+    run_kernel(kernel, raw, a.qs, a.d, _x_corrections(a.qs), out, rows=raw.shape[0])
     return out.reshape(G, -1)
 
 
