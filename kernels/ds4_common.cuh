@@ -7,12 +7,20 @@ typedef signed char    i8;
 typedef unsigned short u16;
 typedef unsigned int   u32;
 
+#ifdef DS4_CUDA_ON_CPU
+// Compiled for a CPU (kernels/cuda_on_cpu.h, appendix F): the same conversion in C.
+__device__ __forceinline__ float f16_to_f32(u16 h) { return cuda_on_cpu_half(h); }
+#define DYNAMIC_SHARED(type, name) type *name = (type *)cuda_on_cpu::dyn_shared.data()
+#else
 // IEEE half -> float with one PTX instruction, so no cuda_fp16.h include is needed under NVRTC.
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
+// The block's dynamic shared memory (the launch's shared_mem bytes), as an array of type.
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
 
 // GGUF blocks have odd sizes (34, 66, 84 bytes), so fields are only 2-byte aligned.
 __device__ __forceinline__ u16 load_u16(const u8 *p) { return *(const u16 *)p; }

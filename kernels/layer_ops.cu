@@ -58,7 +58,7 @@ extern "C" __global__ void sink_attention(
         const float *q, const float *kv, const float *sinks, const u8 *allowed,
         int D, int R, float scale, float *scratch, float *out) {
     __shared__ float red[32];
-    extern __shared__ float qh[];                     // [D]
+    DYNAMIC_SHARED(float, qh);                        // [D]
     const int h = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warp = blockDim.x >> 5;
     float *sc = scratch + (long long)h * R;

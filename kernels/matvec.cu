@@ -34,6 +34,43 @@ extern "C" __global__ void matvec_q8_0_q8_0(
     if (lane == 0) y[(long long)t * rows + r] = acc;
 }
 
+// The same product for T tokens at once (a prefill's GEMM), TOKENS_PER_WARP tokens per warp: a warp
+// loads each 34-byte block of its row once and dots it with up to 8 tokens' codes, so the weights are
+// read ceil(T / 8) times instead of T times. grid.y = ceil(T / 8). Each token's sum runs in the order
+// of matvec_q8_0_q8_0 (lane-strided blocks, then warp_sum), so both kernels give the same floats.
+// Mirrors ds4.c: matvec_q8_0_prequant's batch (l. 3566) as its CUDA graph driver runs a prefill.
+#define TOKENS_PER_WARP 8
+
+extern "C" __global__ void matmul_q8_0_q8_0(
+        const u8 *w, long long row_bytes, int rows, int nb, int T,
+        const i8 *xq, const float *xd, float *y) {
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    const int t0 = blockIdx.y * TOKENS_PER_WARP;
+    if (r >= rows || t0 >= T) return;
+    const int nt = T - t0 < TOKENS_PER_WARP ? T - t0 : TOKENS_PER_WARP;   // the same in a warp
+    const u8 *row = w + (long long)r * row_bytes;
+    float acc[TOKENS_PER_WARP];
+    for (int j = 0; j < TOKENS_PER_WARP; j++) acc[j] = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        const u8 *blk = row + (long long)b * 34;
+        int w4[8];
+        for (int k = 0; k < 8; k++) w4[k] = (int)load_u32_a2(blk + 2 + 4 * k);
+        const float dw = f16_to_f32(load_u16(blk));
+        for (int j = 0; j < nt; j++) {
+            const long long tb = (long long)(t0 + j) * nb + b;          // token t0 + j, block b
+            const int *x4 = (const int *)(xq + tb * 32);
+            int isum = 0;
+            for (int k = 0; k < 8; k++) isum = __dp4a(w4[k], x4[k], isum);
+            acc[j] += dw * xd[tb] * (float)isum;
+        }
+    }
+    for (int j = 0; j < nt; j++) {
+        const float sum = warp_sum(acc[j]);
+        if (lane == 0) y[(long long)(t0 + j) * rows + r] = sum;
+    }
+}
+
 // F16 weights times a float vector (not quantized): router, HC fn, compressor and indexer projections.
 // Mirrors ds4.c: dot_f16_row (l. 2808) inside matvec_f16 (l. 2841).
 extern "C" __global__ void matvec_f16_f32(

@@ -1,8 +1,10 @@
 """Chapter 09: every backend against the numpy reference and ds4.c's oracle; the CUDA sources compile.
 
-CPU backends (numba, MLX on the CPU) run here for real. CuPy tests are marked `gpu` and skip without a CUDA
-GPU (conftest.py); tools/gpu_check.sh runs them on a lent GPU machine. The kernels still compile here with
-`nvcc -ptx -arch=sm_90`, so a syntax or type error in kernels/*.cu fails CI wherever nvcc exists.
+CPU backends (numba, MLX on the CPU) run here for real. The CuPy tests run twice: `cuda-on-cpu` runs the
+kernels' CUDA source compiled for the CPU (appendix F) through the stand-in cupy, everywhere; `gpu` is marked
+`gpu` and skips without a CUDA GPU (conftest.py); tools/gpu_check.sh runs it on a lent GPU machine. The kernels
+also compile here with `nvcc -ptx -arch=sm_90`, so a syntax or type error in kernels/*.cu fails CI wherever
+nvcc exists.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ds4ref.backends.cupy_kernels import KERNEL_FILES, KERNEL_NAMES, kernel_sour
 from ds4ref.engine import Engine
 from ds4ref.dev.oracle import logit_agreement, replay_golden
 from ds4ref.matvec import MatvecError
+from ds4ref.moe import MoEError
 from ds4ref.quant import Q8KAct, quantize_q8_0, quantize_q8_K
 from ds4ref.dev.quantize import quantize
 
@@ -42,7 +45,7 @@ LAYERS = (1, 3, 4)
 
 def test_cuda_sources_are_installed_package_data():
     files = {p.name for p in resources.files("ds4ref.kernels").iterdir()}
-    assert set(KERNEL_FILES) | {"ds4_common.cuh"} <= files
+    assert set(KERNEL_FILES) | {"ds4_common.cuh", "cuda_on_cpu.h"} <= files
 
 
 def test_every_backend_kernel_is_defined_once_in_the_sources():
@@ -326,7 +329,8 @@ def test_attention_rows_matches_ds4c_and_the_reference(name, model, ops_A):
 @pytest.mark.parametrize("path", ["batch", "stream"])
 @pytest.mark.parametrize("forced", [True, False])
 def test_whole_model_meets_the_oracle_bounds_case_C(name, path, forced, oracle_gguf, golden_C):
-    eng = Engine.open(oracle_gguf, backend=get_backend(name, strict=True))
+    be = get_backend(name, strict=True) if isinstance(name, str) else name
+    eng = Engine.open(oracle_gguf, backend=be)
     run = replay_golden(eng, golden_C, path, forced, ctx_size=64)
     if path == "batch":
         ours = np.vstack([run["prompt_logits"][None], run["step_logits"]])
@@ -351,14 +355,22 @@ def test_numba_long_stream_with_forced_decisions_case_A(oracle_gguf, golden_A):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# CuPy on a CUDA GPU (skipped without one; run by tools/gpu_check.sh)
+# CuPy: kernels/*.cu compiled for the CPU (appendix F: the kernels' own source, through chapter 9's stand-in
+# cupy), and on a CUDA GPU (skipped without one; run by tools/gpu_check.sh)
 
-@pytest.fixture(scope="module")
-def cupy_be():
-    return get_backend("cupy", strict=True)
+def cupy_backend(where: str):
+    if where == "gpu":
+        return get_backend("cupy", strict=True)
+    from ds4ref.backends.cupy_backend import CupyBackend
+    from ds4ref.dev.cuda_on_cpu import source_standin
+    return CupyBackend(cp=source_standin()).strict()
 
 
-@pytest.mark.gpu
+@pytest.fixture(scope="module", params=["cuda-on-cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def cupy_be(request):
+    return cupy_backend(request.param)
+
+
 @pytest.mark.parametrize("ggml_type", [8, 16, 10, 1])
 def test_cupy_matvec_equals_numpy_on_random_weights(cupy_be, ggml_type):
     rng = np.random.default_rng(ggml_type)
@@ -380,7 +392,6 @@ def test_cupy_matvec_equals_numpy_on_random_weights(cupy_be, ggml_type):
         assert rel(cupy_be.matvec_q2_K_q8_K(raw, a), NUMPY.matvec_q2_K_q8_K(raw, a)) <= 1e-5
 
 
-@pytest.mark.gpu
 def test_cupy_matvecs_match_ds4c_oracle(cupy_be, model, ops_A):
     cfg, W = model
     for il in LAYERS:
@@ -403,7 +414,6 @@ def test_cupy_matvecs_match_ds4c_oracle(cupy_be, model, ops_A):
             assert rel(g1, ops_A[K + "exp_gate"][0]) <= TOL
 
 
-@pytest.mark.gpu
 def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
     from ds4ref.rope import rope_tail
     cfg, W = model
@@ -429,10 +439,42 @@ def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
     assert pooled_checks >= 3                     # ratio-4 windows close at positions 67, 131 and 299
 
 
-@pytest.mark.gpu
+def test_cupy_prefill_experts_in_one_launch_per_pass_match_the_composition(cupy_be, model):
+    """A prefill's gate/up and down passes over every (token, slot) pair, in one launch each (or in
+    chunks of MAX_PAIRS: the same numbers), against chapter 7's composition of the per-expert matvecs;
+    an expert slice of a resident tensor is a view of it, not a second upload."""
+    cfg, W = model
+    L = W.layers[3]
+    rng = np.random.default_rng(5)
+    T, k = 5, cfg.n_expert_used
+    sel = np.stack([rng.choice(cfg.n_expert, k, replace=False) for _ in range(T)])
+    xq = quantize_q8_K(rng.standard_normal((T, cfg.n_embd)).astype(np.float32))
+    midq = quantize_q8_K(rng.standard_normal((T, k, cfg.n_ff_exp)).astype(np.float32))
+    g, u = cupy_be.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
+    rg, ru = NUMPY.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
+    assert rel(g, rg) <= TOL and rel(u, ru) <= TOL
+    down = cupy_be.routed_experts_down_batch(L.ffn_down_exps, sel, midq)
+    assert rel(down, NUMPY.routed_experts_down_batch(L.ffn_down_exps, sel, midq)) <= TOL
+    held = cupy_be.resident_bytes()
+    cupy_be.MAX_PAIRS = 7                                  # 30 pairs in 5 launches
+    try:
+        g7, _ = cupy_be.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
+        down7 = cupy_be.routed_experts_down_batch(L.ffn_down_exps, sel, midq)
+    finally:
+        del cupy_be.MAX_PAIRS
+    assert np.array_equal(g7, g) and np.array_equal(down7, down)
+    one = cupy_be.matvec_q2_K_q8_K(L.ffn_down_exps.expert(int(sel[0, 0])), Q8KAct(
+        midq.qs[0, 0], midq.d[0, 0], midq.bsums[0, 0]))
+    assert rel(one, down[0, 0]) <= TOL
+    assert cupy_be.resident_bytes() == held                # the expert's rows: a view of the 3-D tensor's copy
+    with pytest.raises(MoEError):
+        cupy_be.routed_experts_down_batch(L.ffn_down_exps, sel.reshape(-1), midq)
+
+
+@pytest.mark.parametrize("where", ["cuda-on-cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("path", ["batch", "stream"])
-def test_cupy_whole_model_meets_the_oracle_bounds_case_C(path, oracle_gguf, golden_C):
-    test_whole_model_meets_the_oracle_bounds_case_C("cupy", path, True, oracle_gguf, golden_C)
+def test_cupy_whole_model_meets_the_oracle_bounds_case_C(where, path, oracle_gguf, golden_C):
+    test_whole_model_meets_the_oracle_bounds_case_C(cupy_backend(where), path, True, oracle_gguf, golden_C)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -498,6 +540,7 @@ def test_cupy_glue_launches_every_kernel_with_the_signature_of_its_source(fake_c
     ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
     assert be.matvec_q8_0(L.attn_q_a, ops_A[K + "attn_norm"]).shape == (cfg.n_lora_q,)
     assert be.matvec_q8_0_prequant(L.attn_q_b, q8(ops_A, K + "q8.attn_q_b")).shape == (cfg.n_head * cfg.head_dim,)
+    assert be.matvec_q8_0(L.attn_q_a, np.ones((9, cfg.n_embd), np.float32)).shape == (9, cfg.n_lora_q)   # prefill kernel
     assert be.matvec_f16(L.ffn_gate_inp, np.ones((3, cfg.n_embd), np.float32)).shape == (3, cfg.n_expert)
     g, u = be.matvec_iq2_xxs_pair_q8_K(L.ffn_gate_exps.expert(1), L.ffn_up_exps.expert(1), q8k(ops_A, K + "q8k.ffn_gate_up_exps"))
     assert g.shape == u.shape == (cfg.n_ff_exp,)

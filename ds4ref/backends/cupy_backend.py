@@ -7,15 +7,15 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backend import NumpyBackend
-from ds4ref.backends.cupy_kernels import NULL, ROWS_PER_BLOCK, load_kernels
+from ds4ref.backends.cupy_kernels import (NULL, ROWS_PER_BLOCK, TOKENS_PER_WARP,
+                                          load_kernels)
+from ds4ref.backends.cupy_experts import CupyExperts
 from ds4ref.backends.cupy_layer_ops import CupyLayerOps
 from ds4ref.backends.common import (
     FUSED_EXPERT_TYPES,
     FUSED_PARTIAL,
     check_attention_args,
-    expert_ids,
     row_mask,
-    unfused_experts,
 )
 from ds4ref.weights import f32_of
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
@@ -25,7 +25,7 @@ def _lead(qs: np.ndarray):
     return qs.shape[:-1], int(np.prod(qs.shape[:-1], dtype=np.int64))
 
 
-class CupyBackend(CupyLayerOps, NumpyBackend):
+class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
     """NumpyBackend with the quantized matvecs, norms, RoPE, sink attention and
     compressor pooling on a CUDA GPU.
 
@@ -44,6 +44,8 @@ class CupyBackend(CupyLayerOps, NumpyBackend):
             "routed_experts_mid",
             "routed_experts_down",
             "matvec_iq2_xxs_q8_K",
+            "routed_experts_gate_up_batch",
+            "routed_experts_down_batch",
         }
     )
     # not matvec_q4_K_q8_K: a q4 file's Q4_K experts go to numpy's reference
@@ -57,7 +59,8 @@ class CupyBackend(CupyLayerOps, NumpyBackend):
         self.cp = cp
         cp.cuda.Device(device).use()
         self.k = load_kernels(cp)
-        self._resident: dict = {}
+        self._resident: dict = {}   # host key -> (host array, its device copy)
+        self._views: dict = {}      # host key -> (host rows, device rows of a copy)
         self._grid = cp.asarray(
             np.ascontiguousarray(iq2xxs_grid, dtype=np.uint8).reshape(-1)
         )
@@ -69,7 +72,7 @@ class CupyBackend(CupyLayerOps, NumpyBackend):
         over this backend's kernels: Engine.open(..., backend="cupy", resident=True).
         Mirrors ds4.c: ds4_engine_open (l. 17165) with a GPU backend"""
         from ds4ref.backends.cupy_resident import CupyForward
-        return CupyForward(cfg, weights, self.cp, self.k, ctx_size)
+        return CupyForward(cfg, weights, self, ctx_size)
 
     # -- memory ------------------------------------------------------------------------
     def up(self, a, dtype=None):
@@ -81,15 +84,32 @@ class CupyBackend(CupyLayerOps, NumpyBackend):
 
     def resident(self, raw: np.ndarray):
         """The device copy of a weight's raw bytes, uploaded on first use (the host
-        array is kept alive with it).
+        array is kept alive with it). A run of whole rows of a weight already up (an
+        expert of a 3-D tensor, a group of attn_output_a) is a view of that copy, so no
+        weight is on the device twice.
 
         Mirrors ds4.c: ds4_gpu_set_model_map_range (engine open, l. 17227-17250)"""
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides)
-        hit = self._resident.get(key)
+        hit = self._resident.get(key) or self._views.get(key)
         if hit is None:
-            hit = (raw, self.up(raw))
-            self._resident[key] = hit
+            view = self._rows_of_resident(raw)
+            hit = (raw, self.up(raw) if view is None else view)
+            (self._resident if view is None else self._views)[key] = hit
         return hit[1]
+
+    def _rows_of_resident(self, raw: np.ndarray):
+        """The device rows of raw where raw is rows r0.. of a resident weight (same
+        row width and strides), else None."""
+        p = raw.__array_interface__["data"][0]
+        for host, dev in self._resident.values():
+            h0, step = host.__array_interface__["data"][0], host.strides[0]
+            if (host.ndim == raw.ndim == 2 and host.strides == raw.strides
+                    and host.shape[1] == raw.shape[1] and h0 <= p
+                    and (p - h0) % step == 0
+                    and (p - h0) // step + raw.shape[0] <= host.shape[0]):
+                r0 = (p - h0) // step
+                return dev[r0:r0 + raw.shape[0]]
+        return None
 
     def resident_bytes(self) -> int:
         """Device bytes held by resident weights.
@@ -103,6 +123,7 @@ class CupyBackend(CupyLayerOps, NumpyBackend):
 
         Mirrors ds4.c: nothing (bookkeeping)"""
         self._resident.clear()
+        self._views.clear()
         self.cp.get_default_memory_pool().free_all_blocks()
 
     def _launch_rows(self, kernel, rows: int, slots: int, args):
@@ -138,15 +159,21 @@ class CupyBackend(CupyLayerOps, NumpyBackend):
                 f"Q8_0 activation: d has shape {d.shape}, expected {lead + (n // 32,)}"
             )
         y = cp.empty((T, rows), cp.float32)
+        if T == 1:    # decode: one warp per row
+            kernel, slots, tokens = self.k["matvec_q8_0_q8_0"], 1, ()
+        else:         # prefill: a warp reads its row once for 8 tokens
+            kernel, slots = self.k["matmul_q8_0_q8_0"], -(-T // TOKENS_PER_WARP)
+            tokens = (np.int32(T),)
         self._launch_rows(
-            self.k["matvec_q8_0_q8_0"],
+            kernel,
             rows,
-            T,
+            slots,
             (
                 self.resident(raw),
                 np.int64(raw.shape[1]),
                 np.int32(rows),
                 np.int32(n // 32),
+                *tokens,
                 self.up(qs.reshape(T, n)),
                 self.up(d.reshape(T, -1)),
                 y,
@@ -265,118 +292,6 @@ class CupyBackend(CupyLayerOps, NumpyBackend):
             ),
         )
         return cp.asnumpy(y).reshape(lead + (rows,))
-
-    # -- the routed experts of one token in two launches -------------------------------
-    def experts_pair_q8_K(self, w_gate3, w_up3, ids, a):
-        """Gate and up of the selected experts `ids` [k] of 3-D IQ2_XXS tensors, one
-        shared Q8_K activation (n); returns float32 [k, rows] twice. One launch for all
-        k experts (grid.y = slot).
-
-        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
-        cp = self.cp
-        ids = expert_ids(ids, w_gate3)
-        # [n_expert * rows, row_bytes]
-        g_all, u_all = weight_rows(w_gate3, 16), weight_rows(w_up3, 16)
-        if g_all.shape != u_all.shape:
-            raise MatvecError(
-                f"IQ2_XXS experts: gate {g_all.shape} and up {u_all.shape} do not match"
-            )
-        rows = int(w_gate3.shape[1])
-        n = row_elements(g_all, 16)
-        _, _, yq, yd, _ = self._q8_K(a, n)
-        k = len(ids)
-        g = cp.empty((k, rows), cp.float32)
-        u = cp.empty((k, rows), cp.float32)
-        self._launch_rows(
-            self.k["matvec_iq2_xxs_pair_q8_K"],
-            rows,
-            k,
-            (
-                self.resident(g_all),
-                self.resident(u_all),
-                np.int64(g_all.shape[1]),
-                np.int64(rows * g_all.shape[1]),
-                self.up(ids),
-                np.int32(rows),
-                np.int32(n // 256),
-                self._grid,
-                yq,
-                yd,
-                np.int32(1),
-                g,
-                u,
-            ),
-        )
-        return cp.asnumpy(g), cp.asnumpy(u)
-
-    def experts_down_q8_K(self, w_down3, ids, a):
-        """Down projections of the selected experts: Q2_K expert ids[i] times Q8_K
-        activation row i; float32 [k, rows].
-
-        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034) before its sum over
-        slots."""
-        cp = self.cp
-        ids = expert_ids(ids, w_down3)
-        w_all = weight_rows(w_down3, 10)
-        rows = int(w_down3.shape[1])
-        n = row_elements(w_all, 10)
-        _, T, yq, yd, bs = self._q8_K(a, n)
-        if T != len(ids):
-            raise MatvecError(
-                f"Q2_K experts: {len(ids)} expert ids but {T} activation rows"
-            )
-        y = cp.empty((T, rows), cp.float32)
-        self._launch_rows(
-            self.k["matvec_q2_K_q8_K"],
-            rows,
-            T,
-            (
-                self.resident(w_all),
-                np.int64(w_all.shape[1]),
-                np.int64(rows * w_all.shape[1]),
-                self.up(ids),
-                np.int32(rows),
-                np.int32(n // 256),
-                yq,
-                yd,
-                bs,
-                np.int32(0),
-                y,
-            ),
-        )
-        return cp.asnumpy(y)
-
-    def routed_experts_mid(
-        self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0
-    ) -> np.ndarray:
-        """mid [k, n_ff] of the selected experts: one pair launch, then clamp, SiLU and
-        the route weight on the host.
-        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
-        ref = unfused_experts(self, "routed_experts_mid", w_gate3)
-        if ref is not None:
-            return ref(w_gate3, w_up3, ids, weights, a, clamp)
-        from ds4ref.moe import swiglu
-        weights = np.asarray(weights, np.float32).reshape(-1)
-        if weights.size != np.asarray(ids).size:
-            raise ValueError(
-                f"routed experts: {weights.size} route weights for "
-                f"{np.asarray(ids).size} expert ids"
-            )
-        g, u = self.experts_pair_q8_K(w_gate3, w_up3, ids, a)
-        return (swiglu(g, u, clamp) * weights[:, None]).astype(np.float32)
-
-    def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
-        """Sum over slots (float32, slot order) of the six down projections from one
-        launch; float32 [rows].
-        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
-        ref = unfused_experts(self, "routed_experts_down", w_down3)
-        if ref is not None:
-            return ref(w_down3, ids, a)
-        down = self.experts_down_q8_K(w_down3, ids, a)
-        acc = down[0].copy()
-        for s in range(1, len(down)):
-            acc = (acc + down[s]).astype(np.float32)
-        return acc
 
     def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
         """Sink attention with K = V of one token, q [n_head, D] over kv [R, D] ->

@@ -12,7 +12,6 @@ from ds4ref.backends.cupy_kernels import NULL, ROWS_PER_BLOCK
 from ds4ref.kvcache import KVCache, KVCacheError
 from ds4ref.kvquant import E2M1_VALUES, E4M3_VALUES
 from ds4ref.moe import MoEError
-from ds4ref.quant import iq2xxs_grid
 from ds4ref.rope import rope_params, rope_theta
 from ds4ref.weights import f32_of
 
@@ -37,20 +36,28 @@ class CupyWeights:
            "ffn_exp_probs_b", "attn_compressor_ape", "attn_compressor_norm",
            "indexer_compressor_ape", "indexer_compressor_norm")
 
-    def __init__(self, cfg, W, cp):
-        self.cp, self.cfg = cp, cfg
+    def __init__(self, cfg, W, be):
+        self.be, self.cp, self.cfg = be, be.cp, cfg
         self.nbytes = self.uploads = 0
-        self.token_embd = self._up(W.token_embd.data)
-        self.output = self._up(W.output.data)
-        self.output_hc_fn = self._up(W.output_hc_fn.data)
+        self.token_embd = self._raw(W.token_embd.data)
+        self.output = self._raw(W.output.data)
+        self.output_hc_fn = self._raw(W.output_hc_fn.data)
         self.output_hc_scale = self._up(f32_of(W.output_hc_scale))
         self.output_hc_base = self._up(f32_of(W.output_hc_base))
         self.output_norm = self._up(f32_of(W.output_norm))
-        self.grid = self._up(np.asarray(iq2xxs_grid, np.uint8).reshape(-1))
+        self.grid = be._grid                         # the IQ2_XXS grid, uint8 [256 * 8]
         self.layers = [self._layer(lw) for lw in W.layers]
 
     def _up(self, a):
         arr = self.cp.asarray(np.ascontiguousarray(a))
+        self.nbytes += int(arr.nbytes)
+        self.uploads += 1
+        return arr
+
+    def _raw(self, raw):
+        """A quantized tensor's bytes, through the backend's resident copies: the
+        op-by-op backend (a prefill's matmuls) then finds them up already."""
+        arr = self.be.resident(raw)
         self.nbytes += int(arr.nbytes)
         self.uploads += 1
         return arr
@@ -60,7 +67,7 @@ class CupyWeights:
         for name in self.RAW:
             t = getattr(lw, name)
             if t is not None:
-                L[name] = self._up(t.data)
+                L[name] = self._raw(t.data)
                 L[name + ".rows"] = int(t.shape[1])   # rows of one matrix / expert
         for name in self.F32:
             t = getattr(lw, name)
@@ -225,14 +232,25 @@ class CupyOps:
 
     # -- norms and activation quantizers -----------------------------------------------
     def rms(self, x, w=None):
-        """rms_norm_no_weight / rms_norm_weight / head_rms_norm over the last axis
-        (float64 sum of squares, float32 after)."""
+        """rms_norm_no_weight / rms_norm_weight / head_rms_norm over the last axis of
+        a C-contiguous x: one launch of rms_norm_rows, one block per row (float64 sum
+        of squares, float32 after)."""
+        cp, n = self.cp, x.shape[-1]
+        out = cp.empty(x.shape, cp.float32)
+        self.k["rms_norm_rows"]((x.size // n,), (256,), (
+            x, NULL if w is None else w, out, np.int32(n),
+            np.float32(self.cfg.rms_eps)))
+        return out
+
+    def pool(self, state_kv, state_score, ratio: int):
+        """compressor_pool of a closed window's states [2 ratio, 2 hd] (ratio 4) or
+        [ratio, hd] -> [hd]: one launch, one thread per output dim."""
         cp = self.cp
-        ss = cp.einsum("...i,...i->...", x, x, dtype=cp.float64)
-        mean = (ss / x.shape[-1]).astype(cp.float32)
-        eps = np.float32(self.cfg.rms_eps)
-        y = x * (np.float32(1.0) / cp.sqrt(mean + eps))[..., None]
-        return y if w is None else y * w
+        hd = state_kv.shape[1] // (2 if ratio == 4 else 1)
+        out = cp.empty((hd,), cp.float32)
+        self.k["compressor_pool"](((hd + 127) // 128,), (128,), (
+            state_kv, state_score, np.int32(hd), np.int32(ratio), out))
+        return out
 
     def _int8_codes(self, xb, num: float, den):
         """quant._int8_codes: clamp(rint(x * f32(num / den)), -128, 127), 0 where den is

@@ -13,6 +13,7 @@ from ds4ref.backend import BackendError
 KERNEL_FILES = ("matvec.cu", "layer_ops.cu")
 KERNEL_NAMES = (
     "matvec_q8_0_q8_0",
+    "matmul_q8_0_q8_0",
     "matvec_f16_f32",
     "matvec_iq2_xxs_pair_q8_K",
     "matvec_q2_K_q8_K",
@@ -22,6 +23,7 @@ KERNEL_NAMES = (
     "compressor_pool",
 )
 ROWS_PER_BLOCK = 4   # kernels/matvec.cu: one warp per output row, 4 warps per block
+TOKENS_PER_WARP = 8  # matmul_q8_0_q8_0: tokens per warp, one weight read for them all
 NULL = np.uint64(0)  # a null pointer argument (optional weights, masks, expert ids)
 
 

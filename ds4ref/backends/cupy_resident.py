@@ -9,7 +9,6 @@ import numpy as np
 
 from ds4ref.backend import BackendError
 from ds4ref.backends.cupy_device import CupyCache, CupyOps, CupyWeights
-from ds4ref.ops import NEG_INF
 from ds4ref.session import ContextOverflowError, TokenRangeError
 
 
@@ -20,17 +19,19 @@ class CupyForward:
     A chapter-8 DeviceForward (`CupyBackend.device_forward` makes one). `eval(cache,
     token, pos)` uploads the token id, updates `cache` in place on the device and
     downloads the logits (want='logits'), the greedy token ('argmax', 4
-    bytes) or nothing ('none'). `cp` is the cupy module (or ds4ref.dev.cupy_standin's
-    StandinCupy, for machines without a GPU).
+    bytes) or nothing ('none'). `be` is the CupyBackend whose kernels, resident
+    weights and cupy module it shares (cupy, or ds4ref.dev.cupy_standin's StandinCupy
+    for machines without a GPU); a new prompt is prefilled through `be` (chapter 8).
     Mirrors ds4.c: metal_graph_eval_token_raw_swa (l. 12776), the graph driver that
     also runs its CUDA backend"""
 
     device_name = "CuPy"
 
-    def __init__(self, cfg, W, cp, kernels, ctx_size: int = 1024):
-        self.cp, self.cfg, self.ctx_size = cp, cfg, int(ctx_size)
-        self.w = CupyWeights(cfg, W, cp)
-        self.ops = CupyOps(cfg, cp, kernels, self.w.grid, self.ctx_size)
+    def __init__(self, cfg, W, be, ctx_size: int = 1024):
+        self.cp, self.cfg, self.ctx_size = be.cp, cfg, int(ctx_size)
+        self.w = CupyWeights(cfg, W, be)
+        self.ops = CupyOps(cfg, be.cp, be.k, self.w.grid, self.ctx_size)
+        self.prefill_backend = be    # a new prompt's batched prefill (chapter 8)
 
     def new_cache(self, ctx_size: int | None = None) -> CupyCache:
         """An empty device cache for ctx_size positions (at most the engine's)."""
@@ -56,17 +57,7 @@ class CupyForward:
         skv[row], ssc[row] = kv, score
         if (pos + 1) % ratio:
             return None
-        if ratio == 4:          # compressor_pool: two overlapping lanes
-            hd = skv.shape[1] // 2
-            pk = cp.concatenate([skv[:4, :hd], skv[4:, hd:]])
-            ps = cp.concatenate([ssc[:4, :hd], ssc[4:, hd:]])
-        else:
-            pk, ps = skv, ssc
-        m = ps.max(axis=0)
-        e = cp.exp(ps - m).astype(f32)
-        pooled = (e * pk).sum(axis=0, dtype=f32) / e.sum(axis=0, dtype=f32)
-        pooled = cp.where(m <= NEG_INF * np.float32(0.5), np.float32(0), pooled)
-        pooled = pooled.astype(f32)
+        pooled = o.pool(skv, ssc, ratio)
         ss = (pooled.astype(cp.float64) ** 2).sum()           # compressor_norm
         scale = np.float32(1) / cp.sqrt(
             (ss / pooled.size).astype(f32) + np.float32(self.cfg.rms_eps))

@@ -144,4 +144,27 @@ def bench_cuda_kernels(repeats: int = 50) -> dict:
             }
         )
         print(f"{label:45s} {sec * 1e6:9.1f} us {nbytes / sec / 1e9:8.1f} GB/s")
+    out["prefill"] = bench_q8_0_prefill(be, rng, timed, cp)
     return out
+
+
+def bench_q8_0_prefill(be, rng, timed, cp, T=128, n=4096, rows=4096) -> dict:
+    """A prefill's Q8_0 product for T tokens: the one-token kernel over grid.y = T
+    (the row read per token) against matmul_q8_0_q8_0 (the row read once per 8 tokens).
+    Tokens per second of each, and the ratio. `timed(fn)` gives seconds per call.
+    Mirrors ds4.c: nothing (benchmark harness)"""
+    raw = random_blocks(rng, rows, n, 8)
+    w, y = cp.asarray(raw), cp.empty((T, rows), cp.float32)
+    xq = cp.asarray(rng.integers(-127, 128, (T, n), dtype=np.int8))
+    xd = cp.ones((T, n // 32), cp.float32)
+    head = (w, np.int64(raw.shape[1]), np.int32(rows), np.int32(n // 32))
+    grid_x = (rows + 3) // 4
+    one = timed(lambda: be.k["matvec_q8_0_q8_0"](
+        (grid_x, T), (128,), (*head, xq, xd, y)))
+    tile = timed(lambda: be.k["matmul_q8_0_q8_0"](
+        (grid_x, -(-T // 8)), (128,), (*head, np.int32(T), xq, xd, y)))
+    row = {"tokens": T, "n": n, "rows": rows, "one_token_kernel_tok_s": T / one,
+           "matmul_tok_s": T / tile, "ratio": one / tile}
+    print(f"Q8_0 prefill {T} tokens {n}->{rows}: one-token kernel "
+          f"{T / one:9.0f} tok/s, matmul {T / tile:9.0f} tok/s ({one / tile:.2f}x)")
+    return row

@@ -11,8 +11,10 @@ import types
 import numpy as np
 
 from ds4ref.gguf import DS4RefError
-from ds4ref import matvec as ref_mv  # the twins' references: chapter 3's matvecs
-from ds4ref import ops as ref_ops    # and chapter 5's sink attention
+from ds4ref import matvec as ref_mv  # the twins' references: chapter 3's matvecs,
+from ds4ref import ops as ref_ops    # chapter 5's sink attention, chapter 4's norms
+from ds4ref.compressor import compressor_pool as ref_pool   # and chapter 6's pooling
+from ds4ref.norms import rms_norm_no_weight, rms_norm_weight
 from ds4ref.quant import Q8Act, Q8KAct, iq2xxs_grid
 
 
@@ -253,13 +255,18 @@ class StandinKernel:
             raise StandinError(f"kernel {self.name}: {len(args)} arguments for "
                                f"{len(self.params)} parameters")
         host = [self._arg(a, p) for a, p in zip(args, self.params)]
+        self.cp.launches += 1
+        self.cp.launched[self.name] = self.cp.launched.get(self.name, 0) + 1
+        self.run(tuple(grid), tuple(block), shared_mem, host)
+
+    def run(self, grid, block, shared_mem: int, host: list):
+        """The launch on the host buffers: the numpy twin (appendix F's subclass runs
+        the kernel's CUDA source instead)."""
         twin = KERNELS.get(self.name)
         if twin is None:
             raise StandinError(f"kernel {self.name}: the stand-in has no numpy twin")
-        self.cp.launches += 1
-        self.cp.launched[self.name] = self.cp.launched.get(self.name, 0) + 1
         with np.errstate(all="ignore"):
-            twin(tuple(grid), tuple(block), shared_mem, *host)
+            twin(grid, block, shared_mem, *host)
 
 
 # -- the kernels' numpy twins, written against kernels/*.cu's parameter lists ---------
@@ -293,6 +300,14 @@ def matvec_q8_0_q8_0(grid, block, smem, w, row_bytes, rows, nb, xq, xd, y):
     a = Q8Act(_one_or_batch(xq[:T * n].reshape(T, n), T),
               _one_or_batch(xd[:T * nb].reshape(T, nb), T))
     y[:T * rows] = ref_mv.matvec_q8_0_prequant(W, a).reshape(-1)
+
+
+def matmul_q8_0_q8_0(grid, block, smem, w, row_bytes, rows, nb, T, xq, xd, y):
+    """The same for T tokens, 8 per warp (grid.y = ceil(T / 8))."""
+    if grid[1] * 8 < T:
+        raise StandinError(f"kernel matmul_q8_0_q8_0: grid.y {grid[1]} covers fewer "
+                           f"than {T} tokens")
+    matvec_q8_0_q8_0((grid[0], T), block, smem, w, row_bytes, rows, nb, xq, xd, y)
 
 
 def matvec_f16_f32(grid, block, smem, w, rows, n, x, y):
@@ -357,6 +372,25 @@ def sink_attention(grid, block, smem, q, kv, sinks, allowed, D, R, scale, scratc
     out[:H * D] = heads.reshape(-1)
 
 
-KERNELS = {f.__name__: f for f in (matvec_q8_0_q8_0, matvec_f16_f32,
-                                   matvec_iq2_xxs_pair_q8_K, matvec_q2_K_q8_K,
-                                   sink_attention)}
+def rms_norm_rows(grid, block, smem, x, w, out, n, eps):
+    """Each of the grid.x rows of x [rows, n] RMS-normalised (times w when given):
+    chapter 4's rms_norm_weight / rms_norm_no_weight."""
+    rows = grid[0]
+    xr = x[:rows * n].reshape(rows, n)
+    y = rms_norm_no_weight(xr, eps) if w is None else rms_norm_weight(xr, w[:n], eps)
+    out[:rows * n] = y.reshape(-1)
+
+
+def compressor_pool(grid, block, smem, state_kv, state_score, head_dim, ratio, out):
+    """The softmax pooling of a closed window's states: chapter 6's compressor_pool."""
+    two = 2 if ratio == 4 else 1
+    shape = (two * ratio, two * head_dim)
+    size = shape[0] * shape[1]
+    out[:head_dim] = ref_pool(state_kv[:size].reshape(shape),
+                              state_score[:size].reshape(shape), ratio)
+
+
+KERNELS = {f.__name__: f for f in (matvec_q8_0_q8_0, matmul_q8_0_q8_0,
+                                   matvec_f16_f32, matvec_iq2_xxs_pair_q8_K,
+                                   matvec_q2_K_q8_K, sink_attention, rms_norm_rows,
+                                   compressor_pool)}
