@@ -234,31 +234,24 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
             )
         n, rows = row_elements(g_raw, 16), g_raw.shape[0]
         lead, T, yq, yd, _ = self._q8_K(a, n)
-        g = cp.empty((T, rows), cp.float32)
-        u = cp.empty((T, rows), cp.float32)
-        self._launch_rows(
-            self.k["matvec_iq2_xxs_pair_q8_K"],
-            rows,
-            T,
-            (
-                self.resident(g_raw),
-                self.resident(u_raw),
-                np.int64(g_raw.shape[1]),
-                np.int64(0),
-                NULL,
-                np.int32(rows),
-                np.int32(n // 256),
-                self._grid,
-                yq,
-                yd,
-                np.int32(0),
-                g,
-                u,
-            ),
-        )
+        g, u = self._pair_launch(self.resident(g_raw), self.resident(u_raw), rows, T,
+                                 NULL, 0, yq, yd, shared=False)
         return cp.asnumpy(g).reshape(lead + (rows,)), cp.asnumpy(u).reshape(
             lead + (rows,)
         )
+
+    def _pair_launch(self, wg, wu, rows: int, slots: int, ids, expert_bytes: int,
+                     yq, yd, shared: bool):
+        """One launch of matvec_iq2_xxs_pair_q8_K over `slots` (grid.y): gate and up
+        float32 [slots, rows], on the device. ids: the slots' experts (or NULL: wg, wu
+        are the matrices); shared: one activation row for every slot."""
+        cp = self.cp
+        g, u = cp.empty((slots, rows), cp.float32), cp.empty((slots, rows), cp.float32)
+        self._launch_rows(self.k["matvec_iq2_xxs_pair_q8_K"], rows, slots, (
+            wg, wu, np.int64(wg.shape[1]), np.int64(expert_bytes), ids,
+            np.int32(rows), np.int32(yd.shape[-1]), self._grid, yq, yd,
+            np.int32(shared), g, u))
+        return g, u
 
     def matvec_iq2_xxs_q8_K(self, w, a) -> np.ndarray:
         """W x for one IQ2_XXS weight (the pair kernel with gate = up).
@@ -272,26 +265,18 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
         raw = weight_rows(w, 10)
         n, rows = row_elements(raw, 10), raw.shape[0]
         lead, T, yq, yd, bs = self._q8_K(a, n)
-        y = cp.empty((T, rows), cp.float32)
-        self._launch_rows(
-            self.k["matvec_q2_K_q8_K"],
-            rows,
-            T,
-            (
-                self.resident(raw),
-                np.int64(raw.shape[1]),
-                np.int64(0),
-                NULL,
-                np.int32(rows),
-                np.int32(n // 256),
-                yq,
-                yd,
-                bs,
-                np.int32(0),
-                y,
-            ),
-        )
+        y = self._q2_K_launch(self.resident(raw), rows, T, NULL, 0, yq, yd, bs)
         return cp.asnumpy(y).reshape(lead + (rows,))
+
+    def _q2_K_launch(self, w, rows: int, slots: int, ids, expert_bytes: int, yq, yd,
+                     bs):
+        """One launch of matvec_q2_K_q8_K over `slots` (grid.y), each with its own
+        activation row: float32 [slots, rows], on the device."""
+        y = self.cp.empty((slots, rows), self.cp.float32)
+        self._launch_rows(self.k["matvec_q2_K_q8_K"], rows, slots, (
+            w, np.int64(w.shape[1]), np.int64(expert_bytes), ids, np.int32(rows),
+            np.int32(yd.shape[-1]), yq, yd, bs, np.int32(0), y))
+        return y
 
     def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
         """Sink attention with K = V of one token, q [n_head, D] over kv [R, D] ->

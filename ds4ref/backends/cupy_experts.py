@@ -40,28 +40,9 @@ class CupyExperts:
             raise MatvecError(
                 f"IQ2_XXS experts: {k} expert ids but {T} activation rows (1 or {k})"
             )
-        g = cp.empty((k, rows), cp.float32)
-        u = cp.empty((k, rows), cp.float32)
-        self._launch_rows(
-            self.k["matvec_iq2_xxs_pair_q8_K"],
-            rows,
-            k,
-            (
-                self.resident(g_all),
-                self.resident(u_all),
-                np.int64(g_all.shape[1]),
-                np.int64(rows * g_all.shape[1]),
-                self.up(ids),
-                np.int32(rows),
-                np.int32(n // 256),
-                self._grid,
-                yq,
-                yd,
-                np.int32(T == 1),
-                g,
-                u,
-            ),
-        )
+        g, u = self._pair_launch(self.resident(g_all), self.resident(u_all), rows, k,
+                                 self.up(ids), rows * g_all.shape[1], yq, yd,
+                                 shared=T == 1)
         return cp.asnumpy(g), cp.asnumpy(u)
 
     def experts_down_q8_K(self, w_down3, ids, a):
@@ -80,25 +61,8 @@ class CupyExperts:
             raise MatvecError(
                 f"Q2_K experts: {len(ids)} expert ids but {T} activation rows"
             )
-        y = cp.empty((T, rows), cp.float32)
-        self._launch_rows(
-            self.k["matvec_q2_K_q8_K"],
-            rows,
-            T,
-            (
-                self.resident(w_all),
-                np.int64(w_all.shape[1]),
-                np.int64(rows * w_all.shape[1]),
-                self.up(ids),
-                np.int32(rows),
-                np.int32(n // 256),
-                yq,
-                yd,
-                bs,
-                np.int32(0),
-                y,
-            ),
-        )
+        y = self._q2_K_launch(self.resident(w_all), rows, T, self.up(ids),
+                              rows * w_all.shape[1], yq, yd, bs)
         return cp.asnumpy(y)
 
     def routed_experts_mid(
