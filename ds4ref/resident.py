@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ds4ref.kvcache import KVCache
-from ds4ref.model import prefill
 from ds4ref.session import ContextOverflowError, Session, SessionError
 from ds4ref.trace import NO_TRACE
 
@@ -49,17 +47,15 @@ class DeviceForward(Protocol):
     def eval(self, cache, token: int, pos: int, want: str = "logits"):
         """The forward of token at pos: cache updated in place; returns one of WANTS."""
 
-    # prefill_backend: the op-by-op Backend that shares this forward's uploaded weights,
-    # through which a new prompt is prefilled in batches; None: token by token on the
-    # device
-    prefill_backend: object
+    # optional: prefill(cache, tokens, progress) -> the last logits, a new prompt's
+    # batched prefill on the device (ResidentSession decodes token by token without it)
 
 
 class ResidentSession(Session):
     """A Session decoding through engine.forward (a DeviceForward): the cache lives on
-    the device; a new prompt is prefilled in batches through forward.prefill_backend
-    (where it has one) and its cache uploaded once, anything else is decoded token by
-    token on the device; save / load go through chapter 6's KVCache. Traces and forced
+    the device; a new prompt goes through forward.prefill (where it has one), anything
+    else is decoded token by token on the device; save / load go through chapter 6's
+    KVCache. Traces and forced
     decisions need the op-by-op path and raise SessionError here (a resident engine
     loads no MTP block, so eval_speculative_argmax commits one token per call).
     Mirrors ds4.c: struct ds4_session (l. 15716) on a graph backend"""
@@ -80,21 +76,17 @@ class ResidentSession(Session):
                 "for those")
 
     def _rebuild(self, toks: list[int], progress=None) -> int:
-        """A new prompt. With a prefill_backend, batched as ds4.c's GPU prefill is:
-        this chapter's prefill over that op-by-op backend (a layer's projections and
-        experts for all tokens, a launch each; attention streams token by token) into a
-        host KVCache, which then goes up once. Else decoded token by token on the
-        device."""
+        """A new prompt: the forward's own batched prefill where it has one (one
+        upload, one download), as ds4.c's GPU prefill is; else decoded token by token
+        on the device."""
         self._resident_only()
         self._reset()
-        fw, be = self.forward, self.forward.prefill_backend
+        fw = self.forward
+        batched = getattr(fw, "prefill", None)
 
         def go():
-            if be is not None and len(toks) > 1:
-                kv = KVCache(self.cfg, self.ctx_size)
-                self._logits = prefill(self.cfg, self.engine.weights, kv, toks, be,
-                                       progress=progress)
-                self._cache = fw.upload_cache(kv)
+            if batched is not None and len(toks) > 1:
+                self._logits = batched(self._cache, toks, progress)
             else:
                 for i, t in enumerate(toks):
                     want = "logits" if i == len(toks) - 1 else "none"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backends.common import CACHE_FIELDS, device_layers, empty_fill, host_kvcache
-from ds4ref.backends.cupy_kernels import NULL, ROWS_PER_BLOCK
+from ds4ref.backends.cupy_kernels import NULL, ROWS_PER_BLOCK, TOKENS_PER_WARP
 from ds4ref.kvcache import KVCache, KVCacheError
 from ds4ref.kvquant import E2M1_VALUES, E4M3_VALUES
 from ds4ref.moe import MoEError
@@ -171,29 +171,37 @@ class CupyOps:
                        (32 * ROWS_PER_BLOCK,), args)
 
     def mv_f16(self, w, x):
-        """matvec_f16: raw F16 rows W [rows, 2n] times float32 x [n] -> [rows].
+        """matvec_f16: raw F16 rows W [rows, 2n] times float32 x [..., n] -> [...,
+        rows] (grid.y = token).
         Mirrors ds4.c: matvec_f16 (l. 2841)"""
         cp, rows, n = self.cp, w.shape[0], w.shape[1] // 2
-        y = cp.empty((rows,), cp.float32)
-        self._rows("matvec_f16_f32", rows, 1,
+        y = cp.empty(x.shape[:-1] + (rows,), cp.float32)
+        self._rows("matvec_f16_f32", rows, x.size // n,
                    (w, np.int32(rows), np.int32(n), x.astype(cp.float32), y))
         return y
 
     def mv_q8_0(self, w, x=None, a=None):
-        """matvec_q8_0 (x float32 [n]) or matvec_q8_0_prequant (a = q8_0(x)): raw Q8_0
-        rows W [rows, row_bytes] -> [rows].
+        """matvec_q8_0 (x float32 [..., n]) or matvec_q8_0_prequant (a = q8_0(x)):
+        raw Q8_0 rows W [rows, row_bytes] -> [..., rows]; one token by
+        matvec_q8_0_q8_0, more by matmul_q8_0_q8_0 (8 tokens per weight read).
         Mirrors ds4.c: dot_q8_0_row (l. 2958) in matvec_q8_0"""
         cp, rows = self.cp, w.shape[0]
         qs, d = self.q8_0(x) if a is None else a
-        y = cp.empty((rows,), cp.float32)
-        self._rows("matvec_q8_0_q8_0", rows, 1,
-                   (w, np.int64(w.shape[1]), np.int32(rows), np.int32(d.shape[-1]),
-                    qs, d, y))
+        nb = d.shape[-1]
+        T = d.size // nb
+        y = cp.empty(d.shape[:-1] + (rows,), cp.float32)
+        head = (w, np.int64(w.shape[1]), np.int32(rows), np.int32(nb))
+        if T == 1:
+            self._rows("matvec_q8_0_q8_0", rows, 1, (*head, qs, d, y))
+        else:
+            self._rows("matmul_q8_0_q8_0", rows, -(-T // TOKENS_PER_WARP),
+                       (*head, np.int32(T), qs, d, y))
         return y
 
-    def experts_pair(self, wg, wu, rows: int, ids, a):
+    def experts_pair(self, wg, wu, rows: int, ids, a, shared: bool = True):
         """Gate and up [k, rows] of the experts ids (int32 [k], on the device) against
-        one Q8_K activation a: one launch (grid.y = slot).
+        one Q8_K activation a (shared), or against row s of a for slot s: one launch
+        (grid.y = slot).
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917), before SwiGLU"""
         cp, k = self.cp, ids.shape[0]
         qs, d, _ = a
@@ -201,7 +209,7 @@ class CupyOps:
         self._rows("matvec_iq2_xxs_pair_q8_K", rows, k,
                    (wg, wu, np.int64(wg.shape[1]), np.int64(rows * wg.shape[1]), ids,
                     np.int32(rows), np.int32(d.shape[-1]), self.grid8, qs, d,
-                    np.int32(1), g, u))
+                    np.int32(shared), g, u))
         return g, u
 
     def experts_down(self, w, rows: int, ids, a):
@@ -265,13 +273,15 @@ class CupyOps:
         return cp.clip(q, -128, 127).astype(cp.int8)
 
     def q8_0(self, x):
-        """quantize_q8_0 of x [n] (n % 32 == 0): (qs int8 [n], d float32 [n/32]).
+        """quantize_q8_0 of x [..., n] (n % 32 == 0): (qs int8 [..., n], d float32
+        [..., n/32]).
         Mirrors ds4.c: quantize_q8_0_activation (l. 3195)"""
         cp = self.cp
         xb = x.reshape(-1, 32)
         amax = cp.abs(xb).max(axis=-1)
         q = self._int8_codes(xb, 127, amax)
-        return q.reshape(-1), (amax * np.float32(1 / 127)).astype(cp.float32)
+        d = (amax * np.float32(1 / 127)).astype(cp.float32)
+        return q.reshape(x.shape), d.reshape(x.shape[:-1] + (-1,))
 
     def q8_K(self, x):
         """quantize_q8_K of x [..., n]: (qs int8 [..., n], d float32 [..., n/256],

@@ -9,6 +9,7 @@ import numpy as np
 
 from ds4ref.backend import BackendError
 from ds4ref.backends.cupy_device import CupyCache, CupyOps, CupyWeights
+from ds4ref.ops import NEG_INF
 from ds4ref.session import ContextOverflowError, TokenRangeError
 
 
@@ -31,7 +32,6 @@ class CupyForward:
         self.cp, self.cfg, self.ctx_size = be.cp, cfg, int(ctx_size)
         self.w = CupyWeights(cfg, W, be)
         self.ops = CupyOps(cfg, be.cp, be.k, self.w.grid, self.ctx_size)
-        self.prefill_backend = be    # a new prompt's batched prefill (chapter 8)
 
     def new_cache(self, ctx_size: int | None = None) -> CupyCache:
         """An empty device cache for ctx_size positions (at most the engine's)."""
@@ -97,21 +97,26 @@ class CupyForward:
         s = (cp.maximum(rows @ q.T, np.float32(0)) @ w).astype(f32)
         return self._rank(s) < cfg.indexer_top_k
 
-    def layer_attention_one(self, cache: CupyCache, il: int, X, pos: int):
-        """layer_attention_one: HC state X [n_hc, n_embd] -> X'; the layer's cache
-        updated on the device.
-        Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069), as the graph driver
-        encodes it (metal_graph_encode_decode_layer, l. 9213)"""
-        cp, o, cfg = self.cp, self.ops, self.cfg
+    def qkv(self, L, a):
+        """layer_q_projection and layer_kv_projection of a [..., n_embd]: q [...,
+        n_head, hd] (head-normed, before RoPE), kv [..., hd], qr_norm [..., n_lora_q].
+        Mirrors ds4.c: layer_q_projection_with_lora_one (l. 4687),
+        layer_kv_projection_normed_one (l. 4705)"""
+        o, cfg = self.ops, self.cfg
+        qr_norm = o.rms(o.mv_q8_0(L["attn_q_a"], a), L["attn_q_a_norm"])
+        q = o.mv_q8_0(L["attn_q_b"], qr_norm)
+        q = o.rms(q.reshape(q.shape[:-1] + (cfg.n_head, cfg.head_dim)))
+        kv = o.rms(o.mv_q8_0(L["attn_kv"], a), L["attn_kv_a_norm"])
+        return q, kv, qr_norm
+
+    def attend(self, cache: CupyCache, il: int, q, kv, a, qr_norm, pos: int):
+        """One token's steps on its layer cache: rope q [n_head, hd] and kv [hd], round
+        and push the row, compress, index, attend, inverse rope -> heads [n_head, hd].
+        Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069), its middle"""
+        cp, o = self.cp, self.ops
         L, C = self.w.layers[il], cache.layers[il]
         ratio = L["ratio"]
-        x, post, comb = o.hc_pre(X, L["hc_attn_fn"], L["hc_attn_scale"],
-                                 L["hc_attn_base"])
-        a = o.rms(x, L["attn_norm"])
-        qr_norm = o.rms(o.mv_q8_0(L["attn_q_a"], a), L["attn_q_a_norm"])
-        q = o.mv_q8_0(L["attn_q_b"], qr_norm).reshape(cfg.n_head, cfg.head_dim)
-        q = o.rope(o.rms(q), pos, ratio)
-        kv = o.rms(o.mv_q8_0(L["attn_kv"], a), L["attn_kv_a_norm"])
+        q = o.rope(q, pos, ratio)
         cache.push_raw(C, o.fp8_kv(o.rope(kv, pos, ratio)))
         allowed = None
         if ratio:
@@ -130,62 +135,126 @@ class CupyForward:
         mask = None if allowed is None else cp.concatenate(
             [cp.ones((n_raw,), cp.uint8), allowed.astype(cp.uint8)])
         heads = o.attention(q, rows, L["attn_sinks"], mask)
-        heads = o.rope(heads, pos, ratio, inverse=True)
-        # layer_grouped_out: group g's heads (Q8_0) times rows g*rank.. of output_a
+        return o.rope(heads, pos, ratio, inverse=True)
+
+    def grouped_out(self, L, heads):
+        """layer_grouped_out: group g's heads (Q8_0) times rows g*rank.. of output_a,
+        then output_b; heads [..., n_head, hd] -> [..., n_embd].
+        Mirrors ds4.c: layer_grouped_out_one (l. 5020)"""
+        cp, o, cfg = self.cp, self.ops, self.cfg
         G, rank = cfg.n_out_group, cfg.n_lora_o
-        xg, wa = heads.reshape(G, -1), L["attn_output_a"]
-        low = cp.stack([o.mv_q8_0(wa[g * rank:(g + 1) * rank], xg[g])
-                        for g in range(G)])
-        out = o.mv_q8_0(L["attn_output_b"], low.reshape(-1))
-        return o.hc_post(out, X, post, comb)
+        xg, wa = heads.reshape(heads.shape[:-2] + (G, -1)), L["attn_output_a"]
+        low = cp.stack([o.mv_q8_0(wa[g * rank:(g + 1) * rank], xg[..., g, :])
+                        for g in range(G)], axis=-2)
+        return o.mv_q8_0(L["attn_output_b"], low.reshape(low.shape[:-2] + (-1,)))
+
+    def layer_attention_one(self, cache: CupyCache, il: int, X, pos: int):
+        """layer_attention_one: HC state X [n_hc, n_embd] -> X'; the layer's cache
+        updated on the device.
+        Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069), as the graph driver
+        encodes it (metal_graph_encode_decode_layer, l. 9213)"""
+        o, L = self.ops, self.w.layers[il]
+        x, post, comb = o.hc_pre(X, L["hc_attn_fn"], L["hc_attn_scale"],
+                                 L["hc_attn_base"])
+        a = o.rms(x, L["attn_norm"])
+        q, kv, qr_norm = self.qkv(L, a)
+        heads = self.attend(cache, il, q, kv, a, qr_norm, pos)
+        return o.hc_post(self.grouped_out(L, heads), X, post, comb)
+
+    def layer_attention_batch(self, cache: CupyCache, il: int, Xs, pos0: int):
+        """layer_attention_batch: Xs [T, n_hc, n_embd] at positions pos0.. -> Xs'. The
+        projections and the output run for all tokens at once (matmul), HC pre per
+        token as the reference does it, and the tokens stream through the cache.
+        Mirrors ds4.c: layer_attention_raw_swa_batch (l. 7181)"""
+        cp, o, L = self.cp, self.ops, self.w.layers[il]
+        T = Xs.shape[0]
+        pre = [o.hc_pre(Xs[t], L["hc_attn_fn"], L["hc_attn_scale"], L["hc_attn_base"])
+               for t in range(T)]
+        a = o.rms(cp.stack([p[0] for p in pre]), L["attn_norm"])       # [T, n_embd]
+        q, kv, qr_norm = self.qkv(L, a)
+        heads = cp.stack([self.attend(cache, il, q[t], kv[t], a[t], qr_norm[t],
+                                      pos0 + t) for t in range(T)])
+        out = self.grouped_out(L, heads)                                # [T, n_embd]
+        return cp.stack([o.hc_post(out[t], Xs[t], post, comb)
+                         for t, (_, post, comb) in enumerate(pre)])
 
     # -- FFN ---------------------------------------------------------------------------
     def select_experts(self, L, f, tok):
-        """select_experts on the device: router_probs, then the hash table row of the
-        token or the biased top-k (ties to the lower id), then router_weights. Returns
-        (ids int32 [k], weights float32 [k]).
+        """select_experts on the device for f [..., n_embd] and token ids tok (int32,
+        f's leading shape, or [1] for one token): router_probs, then the hash table
+        row of the token or the biased top-k (ties to the lower id), then
+        router_weights. Returns (ids int32 [..., k], weights float32 [..., k]).
         Mirrors ds4.c: the routing part of layer_routed_moe_one (l. 5361)"""
         cp, f32, k = self.cp, self.cp.float32, self.cfg.n_expert_used
-        logits = self.ops.mv_f16(L["ffn_gate_inp"], f)
+        lead = f.shape[:-1]
+        logits = self.ops.mv_f16(L["ffn_gate_inp"], f)                # [..., n_expert]
         sp = cp.where(logits > 20, logits,
                       cp.where(logits < -20, cp.exp(logits), cp.log1p(cp.exp(logits))))
         probs = cp.sqrt(sp.astype(f32)).astype(f32)
         if "tid2eid" in L:
-            ids = L["tid2eid"][tok].reshape(-1)
+            ids = L["tid2eid"][tok].reshape(lead + (k,))
         else:
             bias = L.get("ffn_exp_probs_b")
             score = probs if bias is None else (probs + bias).astype(f32)
-            ids = cp.argsort(self._rank(score))[:k].astype(cp.int32)
-        w = cp.take(probs, ids)
-        s = cp.zeros((), f32)
+            rows = score.reshape(-1, score.shape[-1])
+            ids = cp.stack([cp.argsort(self._rank(rows[t]))[:k]
+                            for t in range(rows.shape[0])])
+            ids = ids.astype(cp.int32).reshape(lead + (k,))
+        w = cp.take_along_axis(probs, ids, axis=-1)
+        s = cp.zeros(lead, f32)
         for i in range(k):                                  # float32, slot order
-            s = (s + w[i]).astype(f32)
+            s = (s + w[..., i]).astype(f32)
         s = cp.maximum(s, np.float32(6.103515625e-5))
-        return ids, (w / s * np.float32(self.cfg.expert_weights_scale)).astype(f32)
+        scale = np.float32(self.cfg.expert_weights_scale)
+        return ids, (w / s[..., None] * scale).astype(f32)
+
+    def ffn(self, L, f, tok):
+        """The FFN after its norm, f [..., n_embd] -> [..., n_embd]: the routed experts
+        of every (token, slot) pair in two launches (each token's Q8_K row repeated per
+        slot for several tokens), summed per token in slot order, plus the shared
+        expert.
+        Mirrors ds4.c: layer_routed_moe_one (l. 5361) / layer_routed_moe_batch
+        (l. 5509) and layer_shared_ffn_one (l. 5117)"""
+        cp, o, f32, k = self.cp, self.ops, self.cp.float32, self.cfg.n_expert_used
+        lead = f.shape[:-1]
+        xq = o.q8_K(f)
+        ids, weights = self.select_experts(L, f, tok)
+        pairs = ids.reshape(-1)                                     # [P = T k]
+        if lead:
+            xq = tuple(cp.repeat(v, k, axis=0) for v in xq)
+        g, u = o.experts_pair(L["ffn_gate_exps"], L["ffn_up_exps"],
+                              L["ffn_gate_exps.rows"], pairs, xq, shared=not lead)
+        mid = (o.swiglu(g, u) * weights.reshape(-1)[:, None]).astype(f32)
+        down = o.experts_down(L["ffn_down_exps"], L["ffn_down_exps.rows"], pairs,
+                              o.q8_K(mid)).reshape(lead + (k, -1))
+        moe = down[..., 0, :].copy()
+        for s in range(1, k):                               # sum_slots: slot order
+            moe = (moe + down[..., s, :]).astype(f32)
+        a = o.q8_0(f)                                       # shared_ffn_one
+        smid = o.swiglu(o.mv_q8_0(L["ffn_gate_shexp"], a=a),
+                        o.mv_q8_0(L["ffn_up_shexp"], a=a))
+        shared = o.mv_q8_0(L["ffn_down_shexp"], smid)
+        return (moe + shared).astype(f32)
 
     def layer_ffn_one(self, il: int, X, tok):
         """layer_ffn_one: hc_pre, RMSNorm, six routed experts in two launches and the
         shared expert, hc_post; X [n_hc, n_embd] -> X'.
         Mirrors ds4.c: layer_ffn_one (l. 5659)"""
-        cp, o, f32 = self.cp, self.ops, self.cp.float32
-        L = self.w.layers[il]
+        o, L = self.ops, self.w.layers[il]
         x, post, comb = o.hc_pre(X, L["hc_ffn_fn"], L["hc_ffn_scale"], L["hc_ffn_base"])
-        f = o.rms(x, L["ffn_norm"])
-        xq = o.q8_K(f)
-        ids, weights = self.select_experts(L, f, tok)
-        g, u = o.experts_pair(L["ffn_gate_exps"], L["ffn_up_exps"],
-                              L["ffn_gate_exps.rows"], ids, xq)
-        mid = (o.swiglu(g, u) * weights[:, None]).astype(f32)
-        down = o.experts_down(L["ffn_down_exps"], L["ffn_down_exps.rows"], ids,
-                              o.q8_K(mid))
-        moe = down[0].copy()
-        for s in range(1, down.shape[0]):                   # sum_slots: slot order
-            moe = (moe + down[s]).astype(f32)
-        a = o.q8_0(f)                                       # shared_ffn_one
-        smid = o.swiglu(o.mv_q8_0(L["ffn_gate_shexp"], a=a),
-                        o.mv_q8_0(L["ffn_up_shexp"], a=a))
-        shared = o.mv_q8_0(L["ffn_down_shexp"], smid)
-        return o.hc_post((moe + shared).astype(f32), X, post, comb)
+        y = self.ffn(L, o.rms(x, L["ffn_norm"]), tok)
+        return o.hc_post(y, X, post, comb)
+
+    def layer_ffn_batch(self, il: int, Xs, toks):
+        """layer_ffn_batch: Xs [T, n_hc, n_embd] -> Xs'; HC pre and post per token,
+        the rest for all tokens at once.
+        Mirrors ds4.c: layer_ffn_batch (l. 5838)"""
+        cp, o, L = self.cp, self.ops, self.w.layers[il]
+        pre = [o.hc_pre(Xs[t], L["hc_ffn_fn"], L["hc_ffn_scale"], L["hc_ffn_base"])
+               for t in range(Xs.shape[0])]
+        y = self.ffn(L, o.rms(cp.stack([p[0] for p in pre]), L["ffn_norm"]), toks)
+        return cp.stack([o.hc_post(y[t], Xs[t], post, comb)
+                         for t, (_, post, comb) in enumerate(pre)])
 
     # -- the token ---------------------------------------------------------------------
     def output_logits(self, X):
@@ -222,3 +291,44 @@ class CupyForward:
         if want == "logits":
             return cp.asnumpy(logits)
         return int(logits.argmax()) if want == "argmax" else None
+
+    def prefill(self, cache: CupyCache, tokens, progress=None):
+        """A new prompt on an empty cache, layer-major from position 0, all on the
+        device: one upload (the ids, int32 [T]) and one download (the last logits,
+        float32 [n_vocab]). progress(done, total) is called per layer.
+        Mirrors ds4.c: metal_graph_prefill_layer_major (l. 13224), called by
+        metal_graph_prefill_raw_swa (l. 13483)"""
+        cp, cfg = self.cp, self.cfg
+        toks = np.asarray(tokens)
+        if toks.ndim != 1 or toks.size == 0 or toks.dtype.kind not in "iu":
+            raise TokenRangeError(f"prefill: tokens must be a non-empty 1-D int array, "
+                                  f"got {toks.dtype} {list(toks.shape)}")
+        if toks.min() < 0 or toks.max() >= cfg.n_vocab:
+            raise TokenRangeError(f"prefill: a token outside [0, {cfg.n_vocab})")
+        if toks.size > cache.ctx_size:
+            raise ContextOverflowError(f"prefill: {toks.size} tokens for the cache's "
+                                       f"ctx_size {cache.ctx_size}")
+        tok = cp.asarray(toks.astype(np.int32))
+        x = self.w.token_embd[tok].view(cp.float16).astype(cp.float32)  # [T, n_embd]
+        Xs = cp.repeat(x[:, None, :], cfg.n_hc, axis=1)          # [T, n_hc, n_embd]
+        for il in range(cfg.n_layer):
+            Xs = self.layer_attention_batch(cache, il, Xs, 0)
+            Xs = self.layer_ffn_batch(il, Xs, tok)
+            if progress is not None:
+                progress(il + 1, cfg.n_layer)
+        self.finish_prefill_states(cache, toks.size)
+        return cp.asnumpy(self.output_logits(Xs[-1]))
+
+    def finish_prefill_states(self, cache: CupyCache, n_tokens: int) -> None:
+        """Reset the compressor state rows that the open window has not written yet,
+        as chapter 6's LayerCache.finish_prefill_states (no output changes).
+        Mirrors ds4.c: kv_cache_finish_prefill_states (l. 6436)"""
+        for L, C in zip(self.w.layers, cache.layers):
+            ratio = L["ratio"]
+            if not ratio:
+                continue
+            rem = n_tokens % ratio
+            lo, hi = (ratio + rem, 2 * ratio) if ratio == 4 else (rem, ratio)
+            for st in ("attn_state_", "index_state_")[:2 if ratio == 4 else 1]:
+                C[st + "kv"][lo:hi] = 0
+                C[st + "score"][lo:hi] = NEG_INF

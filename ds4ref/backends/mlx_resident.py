@@ -26,9 +26,6 @@ class MlxForward:
         self.w = MlxWeights(cfg, W, self.mx)
         self.ops = MlxOps(cfg, self.mx, self.be, ctx_size)
         self.mid = self.mx.compile(self._experts_mid)
-        # no batched prefill through the op-by-op backend: its weights are laid out
-        # differently (raw Q8_0 rows, not codes and scales) and would be a second copy
-        self.prefill_backend = None
 
     def new_cache(self, ctx_size: int | None = None) -> MlxCache:
         """An empty cache for ctx_size positions (at most the engine's)."""

@@ -311,12 +311,14 @@ def matmul_q8_0_q8_0(grid, block, smem, w, row_bytes, rows, nb, T, xq, xd, y):
 
 
 def matvec_f16_f32(grid, block, smem, w, rows, n, x, y):
-    """y[t, r] = F16 row r . x[t]: chapter 3's matvec_f16."""
+    """y[t, r] = F16 row r . x[t]: chapter 3's matvec_f16, token by token (the kernel
+    sums each token on its own; numpy's batched F16 product would sum in another
+    order)."""
     T = grid[1]
     _rows_covered("matvec_f16_f32", grid, block, rows)
     W = _weight(w, 0, rows, 2 * n, "matvec_f16_f32")
-    x = _one_or_batch(x[:T * n].reshape(T, n), T)
-    y[:T * rows] = ref_mv.matvec_f16(W, x).reshape(-1)
+    x = x[:T * n].reshape(T, n)
+    y[:T * rows] = np.concatenate([ref_mv.matvec_f16(W, x[t]) for t in range(T)])
 
 
 def _q8k_row(yq, yd, bsums, a: int, nb: int) -> Q8KAct:
