@@ -209,3 +209,21 @@ def test_cli_resident_decodes_on_the_device(oracle_gguf, capsys):
     assert capsys.readouterr().out == ref and len(ref) > 1
     assert main(args + ["--backend", "numba", "--resident"]) == 2
     assert "no device forward" in capsys.readouterr().err
+
+
+def test_the_engine_bench_times_the_resident_forward_as_its_own_row(monkeypatch):
+    """`--backends mlx-resident` (and cupy-resident on a GPU machine, tools/gpu_check.sh) opens the engine
+    with resident=True: the row is labelled so, its session is a ResidentSession, and it decodes."""
+    from ds4ref.dev.bench_engine import ORACLE_MODEL, bench_backend
+    from ds4ref.resident import ResidentSession
+    opened, real_session = [], Engine.session
+
+    def spy(self, *a, **k):
+        s = real_session(self, *a, **k)
+        opened.append(type(s))
+        return s
+    monkeypatch.setattr(Engine, "session", spy)
+    row = bench_backend(ORACLE_MODEL, "mlx-resident", [0, 5, 9, 17], 2, 64)
+    assert row["backend"] == "mlx resident" and row["decode_steps"] == 2
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+    assert opened and all(t is ResidentSession for t in opened)

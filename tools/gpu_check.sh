@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a session that is lent a CUDA machine (see DEVELOPERS.md, "the device").
 # Runs chapter 09's GPU tests (pytest -m gpu: the op-by-op CupyBackend and the resident engine, Engine.open(..., resident=True)) and the CUDA benchmarks; everything it writes lands in $OUT
-# (default: ./gpu_out): gpu_check.log, gpu_tests.log, cuda_bench.json, engine_bench_gpu.json.
-# Budget: about 3-5 minutes on an H200 (the first NVRTC and numba compiles take most of it); the three steps
-# are capped at 240 + 120 + 150 s, so a run never outlasts a device call of timeout_s 540.
+# (default: ./gpu_out): gpu_check.log, gpu_tests.log, cuda_bench.json, engine_bench_gpu.json,
+# engine_bench_gpu_wide.json (the resident forward on the wide model: prefill and decode tok/s, and the
+# decode's fraction of the copy bandwidth that cuda_bench.json measured).
+# Budget: the four steps are capped at 200 + 80 + 80 + 200 s, so a run never outlasts a device call of
+# timeout_s 600 (the first NVRTC compiles and writing the 4 GB wide model take most of it).
 #
-#   device run:  bash tools/gpu_check.sh            (timeout_s 540)
-#   then here:   copy $OUT/cuda_bench.json to book/results/ and rebuild chapter 09.
+#   device run:  bash tools/gpu_check.sh            (timeout_s 600)
+#   then here:   copy $OUT/*.json to book/results/ as cuda_*.json and rebuild chapter 09.
 #
 # Works from a bare copy of the repository (no venv): it needs python3 with numpy, numba and pytest (pinned in
 # requirements.txt) and CuPy (requirements-cuda.txt), and installs whichever of them is missing at the version
@@ -70,16 +72,33 @@ fi
 
 # -- 3. the GPU tests and the benchmarks ---------------------------------------------------------------------------
 log "GPU tests (pytest -m gpu)"
-timeout 240 $PY -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/test_backends.py tests/test_cupy_resident.py -rA 2>&1 \
+timeout 200 $PY -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/test_backends.py tests/test_cupy_resident.py -rA 2>&1 \
     | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 log "CUDA kernel benchmark"
-timeout 120 $PY -m ds4ref.dev.bench_engine --cuda-kernels --out "$OUT/cuda_bench.json" 2>&1 | tee -a "$LOG"
+timeout 80 $PY -m ds4ref.dev.bench_engine --cuda-kernels --out "$OUT/cuda_bench.json" 2>&1 | tee -a "$LOG"
 
-log "engine benchmark, cupy and numba, the oracle model"
-timeout 150 $PY -m ds4ref.dev.bench_engine --backends cupy,numba --models oracle --steps 8 \
+log "engine benchmark, resident and op-by-op CuPy, the oracle model"
+timeout 80 $PY -m ds4ref.dev.bench_engine --backends cupy-resident,cupy --models oracle --steps 8 \
     --out "$OUT/engine_bench_gpu.json" 2>&1 | tee -a "$LOG"
+
+log "engine benchmark, resident CuPy, the wide model (written on first use)"
+timeout 200 $PY -m ds4ref.dev.bench_engine --backends cupy-resident --models wide --steps 16 \
+    --prompt-len 128 --out "$OUT/engine_bench_gpu_wide.json" 2>&1 | tee -a "$LOG"
+$PY - "$OUT" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+try:
+    copy = json.loads((out / "cuda_bench.json").read_text())["copy_read_gbps"]
+    wide = json.loads((out / "engine_bench_gpu_wide.json").read_text())["models"]["wide"]
+except (OSError, KeyError) as e:
+    sys.exit(f"no HBM fraction: {e}")
+for r in wide["runs"]:
+    gbps = wide["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
+    print(f"{r['backend']}: decode {r['decode_tok_s']:.1f} tok/s reads {gbps:.0f} GB/s of weights, "
+          f"{gbps / copy:.0%} of the {copy:.0f} GB/s copy bandwidth")
+PY
 
 log "done: tests rc=$tests_rc"
 exit "$tests_rc"

@@ -63,16 +63,20 @@ def decode_bytes_per_token(cfg) -> int:
 
 def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -> dict:
     """Open `path` with `backend`, warm up, then time the prefill of `prompt` and
-    `steps` greedy decode steps.
+    `steps` greedy decode steps. 'mlx-resident' / 'cupy-resident': the backend's
+    device forward (Engine.open(..., resident=True)).
 
     Mirrors ds4.c: nothing (benchmark harness; ds4.c's CLI prints the same tokens/s)"""
     from ds4ref.backends import get_backend
     from ds4ref.engine import Engine
+    name = backend.removesuffix("-resident")
+    resident = name != backend
     # a backend that keeps uploaded copies of the weights (MLX, CuPy) is made afresh,
     # so that its copies go with it: held for the rest of the run they crowd the page
     # cache that the programs timed after it read their weights from
-    fresh = backend in ("mlx", "cupy")
-    eng = Engine.open(path, backend=type(get_backend(backend))() if fresh else backend)
+    be = type(get_backend(name))() if name in ("mlx", "cupy") else name
+    eng = (Engine.open(path, backend=be, resident=True, ctx_size=ctx) if resident
+           else Engine.open(path, backend=be))
     # every weight page mapped, as ds4.c's --warm-weights does
     eng.gguf.warm_pages()
     # compiles kernels, uploads weights
@@ -92,7 +96,7 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
         tok = int(np.argmax(logits))
     med = statistics.median(per)
     row = {
-        "backend": eng.backend.name,
+        "backend": eng.backend.name + (" resident" if resident else ""),
         "prompt_tokens": len(prompt),
         "prefill_s": prefill_s,
         "prefill_tok_s": len(prompt) / prefill_s,
@@ -103,7 +107,7 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
         "profile": decode_profile(s, tok, max(1, min(steps, 3))),
     }
     del eng, warm, s
-    if backend == "mlx":  # MLX keeps freed buffers for reuse: give them back
+    if name == "mlx":  # MLX keeps freed buffers for reuse: give them back
         import gc
         import mlx.core as mx
         gc.collect()
@@ -175,7 +179,9 @@ def main(argv=None) -> dict:
         prog="python -m ds4ref.dev.bench engine", description=__doc__
     )
     ap.add_argument(
-        "--backends", default="numpy,numba,mlx", help="comma-separated backend names"
+        "--backends", default="numpy,numba,mlx",
+        help="comma-separated backend names; mlx-resident and cupy-resident time the "
+             "backend's device forward (Engine.open(..., resident=True))"
     )
     ap.add_argument(
         "--models",
@@ -276,7 +282,7 @@ def main(argv=None) -> dict:
                  "weight_bytes_per_token": decode_bytes_per_token(cfg), "runs": []}
         programs = []                  # one timed row each, in this order every round
         for b in backends:
-            if b not in have:
+            if b.removesuffix("-resident") not in have:
                 print(f"{model}: {b} skipped (not available)")
                 continue
             steps = (
