@@ -374,13 +374,14 @@ class CupyOps:
             self.cp.float32)
 
     def split_sinkhorn(self, mix, scale, base):
-        """hc_split_sinkhorn of one token's mix [24] -> (pre [4], post [4], comb
-        [4, 4])."""
+        """hc_split_sinkhorn of the mix [..., 24] of one token or several -> (pre
+        [..., 4], post [..., 4], comb [..., 4, 4])."""
         cp, n, eps = self.cp, self.cfg.n_hc, np.float32(self.cfg.hc_eps)
         one = np.float32(1.0)
-        z_pre = mix[:n] * scale[0] + base[:n]
-        z_post = mix[n:2 * n] * scale[1] + base[n:2 * n]
-        z_comb = (mix[2 * n:] * scale[2] + base[2 * n:]).reshape(n, n)
+        z_pre = mix[..., :n] * scale[0] + base[:n]
+        z_post = mix[..., n:2 * n] * scale[1] + base[n:2 * n]
+        z_comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(
+            mix.shape[:-1] + (n, n))
         pre = one / (one + cp.exp(-z_pre)) + eps
         post = np.float32(2.0) / (one + cp.exp(-z_post))
         e = cp.exp(z_comb - z_comb.max(axis=-1, keepdims=True))
@@ -392,21 +393,22 @@ class CupyOps:
         return pre, post, c
 
     def weighted_sum(self, X, w):
-        """hc_weighted_sum: sum_h w[h] X[h], stream by stream."""
-        acc = self.cp.zeros(X.shape[-1:], self.cp.float32)
-        for h in range(X.shape[0]):
-            acc = acc + X[h, :] * w[h, None]
+        """hc_weighted_sum: sum_h w[..., h] X[..., h, :], stream by stream."""
+        acc = self.cp.zeros(X.shape[:-2] + X.shape[-1:], self.cp.float32)
+        for h in range(X.shape[-2]):
+            acc = acc + X[..., h, :] * w[..., h, None]
         return acc
 
     def hc_pre(self, X, fn, scale, base):
-        """hc_pre: X [n_hc, n_embd] -> (x [n_embd], post [n_hc], comb [n_hc, n_hc])."""
-        mix = self.mv_f16(fn, self.rms(X.reshape(-1)))
+        """hc_pre: X [..., n_hc, n_embd] -> (x [..., n_embd], post [..., n_hc], comb
+        [..., n_hc, n_hc]); several tokens' F16 mixes in one launch."""
+        mix = self.mv_f16(fn, self.rms(X.reshape(X.shape[:-2] + (-1,))))
         pre, post, comb = self.split_sinkhorn(mix, scale, base)
         return self.weighted_sum(X, pre), post, comb
 
     def hc_post(self, y, X, post, comb):
-        """hc_post: X'[d] = post[d] y + sum_s comb[s, d] X[s]."""
-        out = post[:, None] * y[None, :]
-        for s in range(X.shape[0]):
-            out = out + comb[s, :, None] * X[s, None, :]
+        """hc_post: X'[..., d] = post[..., d] y + sum_s comb[..., s, d] X[..., s]."""
+        out = post[..., :, None] * y[..., None, :]
+        for s in range(X.shape[-2]):
+            out = out + comb[..., s, :, None] * X[..., s, None, :]
         return out

@@ -42,16 +42,23 @@ class CupyForward:
         return CupyCache.from_kvcache(kv, self.cfg, self.cp)
 
     # -- attention ---------------------------------------------------------------------
-    def compressor_decode_one(self, L, C, a, pos: int, lane: str):
+    def compressor_project(self, L, a, lane: str):
+        """compressor_project's two F16 products of a [..., n_embd] (one token or all
+        of a prompt's): (kv, score before the position's ape), [..., width] each.
+        Mirrors ds4.c: compressor_decode_one (l. 6514), its projections"""
+        w = "attn_compressor_" if lane == "attn" else "indexer_compressor_"
+        return self.ops.mv_f16(L[w + "kv"], a), self.ops.mv_f16(L[w + "gate"], a)
+
+    def compressor_decode_one(self, L, C, a, pos: int, lane: str, proj=None):
         """compressor_decode_one on the device: write token pos's state row; when its
         window closes, pool, norm, rope and round the new row (not F16-rounded yet)
-        and return it, else None.
+        and return it, else None. proj: the token's compressor_project, if made.
         Mirrors ds4.c: compressor_decode_one (l. 6514)"""
         cp, o, ratio, f32 = self.cp, self.ops, L["ratio"], self.cp.float32
         w = "attn_compressor_" if lane == "attn" else "indexer_compressor_"
         st = "attn_state_" if lane == "attn" else "index_state_"
-        kv = o.mv_f16(L[w + "kv"], a)
-        score = o.mv_f16(L[w + "gate"], a) + L[w + "ape"][pos % ratio]
+        kv, score = self.compressor_project(L, a, lane) if proj is None else proj
+        score = score + L[w + "ape"][pos % ratio]
         skv, ssc = C[st + "kv"], C[st + "score"]
         row = ratio + pos % ratio if ratio == 4 else pos % ratio
         skv[row], ssc[row] = kv, score
@@ -109,9 +116,11 @@ class CupyForward:
         kv = o.rms(o.mv_q8_0(L["attn_kv"], a), L["attn_kv_a_norm"])
         return q, kv, qr_norm
 
-    def attend(self, cache: CupyCache, il: int, q, kv, a, qr_norm, pos: int):
+    def attend(self, cache: CupyCache, il: int, q, kv, a, qr_norm, pos: int,
+               proj=None):
         """One token's steps on its layer cache: rope q [n_head, hd] and kv [hd], round
         and push the row, compress, index, attend, inverse rope -> heads [n_head, hd].
+        proj: {lane: the token's compressor projections}, if made for a batch.
         Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069), its middle"""
         cp, o = self.cp, self.ops
         L, C = self.w.layers[il], cache.layers[il]
@@ -119,12 +128,13 @@ class CupyForward:
         q = o.rope(q, pos, ratio)
         cache.push_raw(C, o.fp8_kv(o.rope(kv, pos, ratio)))
         allowed = None
+        proj = proj or {}
         if ratio:
-            row = self.compressor_decode_one(L, C, a, pos, "attn")
+            row = self.compressor_decode_one(L, C, a, pos, "attn", proj.get("attn"))
             if row is not None:
                 cache.push(C, "comp", "n_comp", row)
         if ratio == 4:
-            row = self.compressor_decode_one(L, C, a, pos, "index")
+            row = self.compressor_decode_one(L, C, a, pos, "index", proj.get("index"))
             if row is not None:
                 cache.push(C, "index_comp", "n_index_comp", row)
             allowed = self.indexer_allowed(L, C, a, qr_norm, pos)
@@ -162,21 +172,24 @@ class CupyForward:
         return o.hc_post(self.grouped_out(L, heads), X, post, comb)
 
     def layer_attention_batch(self, cache: CupyCache, il: int, Xs, pos0: int):
-        """layer_attention_batch: Xs [T, n_hc, n_embd] at positions pos0.. -> Xs'. The
-        projections and the output run for all tokens at once (matmul), HC pre per
-        token as the reference does it, and the tokens stream through the cache.
+        """layer_attention_batch: Xs [T, n_hc, n_embd] at positions pos0.. -> Xs'. HC,
+        the projections (matmul), the compressors' projections and the output run for
+        all tokens at once; the tokens stream through the cache one by one.
         Mirrors ds4.c: layer_attention_raw_swa_batch (l. 7181)"""
         cp, o, L = self.cp, self.ops, self.w.layers[il]
-        T = Xs.shape[0]
-        pre = [o.hc_pre(Xs[t], L["hc_attn_fn"], L["hc_attn_scale"], L["hc_attn_base"])
-               for t in range(T)]
-        a = o.rms(cp.stack([p[0] for p in pre]), L["attn_norm"])       # [T, n_embd]
+        x, post, comb = o.hc_pre(Xs, L["hc_attn_fn"], L["hc_attn_scale"],
+                                 L["hc_attn_base"])
+        a = o.rms(x, L["attn_norm"])                                    # [T, n_embd]
         q, kv, qr_norm = self.qkv(L, a)
-        heads = cp.stack([self.attend(cache, il, q[t], kv[t], a[t], qr_norm[t],
-                                      pos0 + t) for t in range(T)])
-        out = self.grouped_out(L, heads)                                # [T, n_embd]
-        return cp.stack([o.hc_post(out[t], Xs[t], post, comb)
-                         for t, (_, post, comb) in enumerate(pre)])
+        ratio = L["ratio"]
+        lanes = ("attn", "index") if ratio == 4 else ("attn",) if ratio else ()
+        proj = {lane: self.compressor_project(L, a, lane) for lane in lanes}
+        heads = cp.stack([
+            self.attend(cache, il, q[t], kv[t], a[t], qr_norm[t], pos0 + t,
+                        {lane: (kv_c[t], score[t]) for lane, (kv_c, score) in
+                         proj.items()})
+            for t in range(Xs.shape[0])])
+        return o.hc_post(self.grouped_out(L, heads), Xs, post, comb)
 
     # -- FFN ---------------------------------------------------------------------------
     def select_experts(self, L, f, tok):
@@ -246,15 +259,14 @@ class CupyForward:
         return o.hc_post(y, X, post, comb)
 
     def layer_ffn_batch(self, il: int, Xs, toks):
-        """layer_ffn_batch: Xs [T, n_hc, n_embd] -> Xs'; HC pre and post per token,
-        the rest for all tokens at once.
+        """layer_ffn_batch: Xs [T, n_hc, n_embd] -> Xs', every step for all tokens at
+        once.
         Mirrors ds4.c: layer_ffn_batch (l. 5838)"""
-        cp, o, L = self.cp, self.ops, self.w.layers[il]
-        pre = [o.hc_pre(Xs[t], L["hc_ffn_fn"], L["hc_ffn_scale"], L["hc_ffn_base"])
-               for t in range(Xs.shape[0])]
-        y = self.ffn(L, o.rms(cp.stack([p[0] for p in pre]), L["ffn_norm"]), toks)
-        return cp.stack([o.hc_post(y[t], Xs[t], post, comb)
-                         for t, (_, post, comb) in enumerate(pre)])
+        o, L = self.ops, self.w.layers[il]
+        x, post, comb = o.hc_pre(Xs, L["hc_ffn_fn"], L["hc_ffn_scale"],
+                                 L["hc_ffn_base"])
+        y = self.ffn(L, o.rms(x, L["ffn_norm"]), toks)
+        return o.hc_post(y, Xs, post, comb)
 
     # -- the token ---------------------------------------------------------------------
     def output_logits(self, X):
