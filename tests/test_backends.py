@@ -645,13 +645,15 @@ def test_expert_pairs_groups_every_pair_once():
         assert (sel.reshape(-1)[run] == e).all() and (np.diff(run) > 0).all()
 
 
-def test_numba_f16_and_hc_pre_are_batch_invariant(model):
-    """NumbaBackend declares f16_batch_invariant (numpy does not): its F16 matvec gives each row of a batch, and so
-    chapter 4's hc_pre and chapter 7's router give each token, the bits they give alone."""
+@pytest.mark.parametrize("name", ["numba", "cuda-on-cpu"])
+def test_numba_and_cupy_f16_and_hc_pre_are_batch_invariant(model, name):
+    """NumbaBackend and CupyBackend declare f16_batch_invariant (numpy does not): their F16 matvec gives each row of
+    a batch, and so chapter 4's hc_pre and chapter 7's router give each token, the bits they give alone (CuPy: the
+    kernel's own source, compiled for the CPU)."""
     from ds4ref.hc import hc_pre
     from ds4ref.moe import router_probs
     cfg, W = model
-    nb = get_backend("numba", strict=True)
+    nb = get_backend("numba", strict=True) if name == "numba" else cupy_backend(name)
     assert nb.f16_batch_invariant and not NUMPY.f16_batch_invariant
     rng = np.random.default_rng(8)
     Xs = rng.standard_normal((37, cfg.n_hc, cfg.n_embd)).astype(np.float32)

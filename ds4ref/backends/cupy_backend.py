@@ -66,6 +66,9 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
         )
 
     has_device_forward = True
+    # matvec_f16_f32 sums each token on its own (grid.y = token): a prefill's HC mixes and
+    # router logits go in one launch per layer with the bits of one token at a time
+    f16_batch_invariant = True
 
     def device_forward(self, cfg, weights, ctx_size: int = 1024):
         """The whole token on the GPU (9.4's CupyForward, a chapter-8 DeviceForward),
