@@ -66,8 +66,8 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
         )
 
     has_device_forward = True
-    # matvec_f16_f32 sums each token on its own (grid.y = token): a prefill's HC mixes and
-    # router logits go in one launch per layer with the bits of one token at a time
+    # matvec_f16_f32 sums each token on its own (grid.y = token): a prefill's HC
+    # mixes and router logits go in one launch per layer, each with one token's bits
     f16_batch_invariant = True
 
     def device_forward(self, cfg, weights, ctx_size: int = 1024):
