@@ -38,7 +38,7 @@ extern "C" __global__ void matvec_q8_0_q8_0(
 // loads each 34-byte block of its row once and dots it with up to 8 tokens' codes, so the weights are
 // read ceil(T / 8) times instead of T times. grid.y = ceil(T / 8). Each token's sum runs in the order
 // of matvec_q8_0_q8_0 (lane-strided blocks, then warp_sum), so both kernels give the same floats.
-// Mirrors ds4.c: matvec_q8_0_prequant's batch (l. 3566) as its CUDA graph driver runs a prefill.
+// Mirrors ds4.c: matvec_q8_0_prequant (l. 3402) on a batch of tokens, as a prefill runs it.
 #define TOKENS_PER_WARP 8
 
 extern "C" __global__ void matmul_q8_0_q8_0(

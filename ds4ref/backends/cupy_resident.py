@@ -227,7 +227,7 @@ class CupyForward:
         slot for several tokens), summed per token in slot order, plus the shared
         expert.
         Mirrors ds4.c: layer_routed_moe_one (l. 5361) / layer_routed_moe_batch
-        (l. 5509) and layer_shared_ffn_one (l. 5117)"""
+        (l. 5509), layer_shared_ffn_one (l. 5108) / layer_shared_ffn_batch (l. 5186)"""
         cp, o, f32, k = self.cp, self.ops, self.cp.float32, self.cfg.n_expert_used
         lead = f.shape[:-1]
         xq = o.q8_K(f)
