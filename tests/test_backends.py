@@ -441,8 +441,9 @@ def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
 
 def test_cupy_prefill_experts_in_one_launch_per_pass_match_the_composition(cupy_be, model):
     """A prefill's gate/up and down passes over every (token, slot) pair, in one launch each (or in
-    chunks of MAX_PAIRS: the same numbers), against chapter 7's composition of the per-expert matvecs;
-    an expert slice of a resident tensor is a view of it, not a second upload."""
+    chunks of MAX_SLOTS, grid.y's limit, split by the launchers: the same numbers), against chapter 7's
+    composition of the per-expert matvecs; an expert slice of a resident tensor is a view of it, not a
+    second upload."""
     cfg, W = model
     L = W.layers[3]
     rng = np.random.default_rng(5)
@@ -456,13 +457,17 @@ def test_cupy_prefill_experts_in_one_launch_per_pass_match_the_composition(cupy_
     down = cupy_be.routed_experts_down_batch(L.ffn_down_exps, sel, midq)
     assert rel(down, NUMPY.routed_experts_down_batch(L.ffn_down_exps, sel, midq)) <= TOL
     held = cupy_be.resident_bytes()
-    cupy_be.MAX_PAIRS = 7                                  # 30 pairs in 5 launches
+    launched = dict(getattr(cupy_be.cp, "launched", {}))   # the stand-in counts launches
+    cupy_be.MAX_SLOTS = 7                                  # 30 pairs in 5 launches
     try:
         g7, _ = cupy_be.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
         down7 = cupy_be.routed_experts_down_batch(L.ffn_down_exps, sel, midq)
     finally:
-        del cupy_be.MAX_PAIRS
+        del cupy_be.MAX_SLOTS
     assert np.array_equal(g7, g) and np.array_equal(down7, down)
+    if launched:
+        grew = {n: c - launched.get(n, 0) for n, c in cupy_be.cp.launched.items()}
+        assert grew["matvec_iq2_xxs_pair_q8_K"] == grew["matvec_q2_K_q8_K"] == 5
     one = cupy_be.matvec_q2_K_q8_K(L.ffn_down_exps.expert(int(sel[0, 0])), Q8KAct(
         midq.qs[0, 0], midq.d[0, 0], midq.bsums[0, 0]))
     assert rel(one, down[0, 0]) <= TOL

@@ -130,15 +130,92 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
         self.cp.get_default_memory_pool().free_all_blocks()
 
     def _launch_rows(self, kernel, rows: int, slots: int, args):
-        if slots > 65535:  # grid.y limit: tokens or expert slots per launch
+        if slots > self.MAX_SLOTS:  # grid.y limit: the launchers below split
             raise ValueError(
-                f"CUDA matvec: {slots} activation rows in one call; at most 65535"
+                f"CUDA matvec: {slots} activation rows in one call; at most "
+                f"{self.MAX_SLOTS}"
             )
         kernel(
             ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, slots),
             (32 * ROWS_PER_BLOCK,),
             args,
         )
+
+    # -- launches on device arrays: one argument list per kernel, for the op-by-op
+    #    methods below and the resident forward's CupyOps alike ------------------------
+    MAX_SLOTS = 65535   # grid.y: more tokens or pairs than this take several launches
+
+    def _slot_chunks(self, slots: int):
+        """slice(p, q) per launch over `slots` grid.y rows, at most MAX_SLOTS each."""
+        return [slice(p, min(p + self.MAX_SLOTS, slots))
+                for p in range(0, slots, self.MAX_SLOTS)]
+
+    def launch_q8_0(self, w, qs, d):
+        """Q8_0 rows w (uint8 [rows, row_bytes]) times T Q8_0 activations (qs int8
+        [..., n], d [..., n/32], C-contiguous) -> float32 [T, rows]: one token by
+        matvec_q8_0_q8_0, more by matmul_q8_0_q8_0 (8 tokens per weight read)."""
+        rows, nb = w.shape[0], d.shape[-1]
+        T = d.size // nb
+        y = self.cp.empty((T, rows), self.cp.float32)
+        head = (w, np.int64(w.shape[1]), np.int32(rows), np.int32(nb))
+        if T == 1:
+            self._launch_rows(self.k["matvec_q8_0_q8_0"], rows, 1, (*head, qs, d, y))
+        else:
+            self._launch_rows(self.k["matmul_q8_0_q8_0"], rows,
+                              -(-T // TOKENS_PER_WARP), (*head, np.int32(T), qs, d, y))
+        return y
+
+    def launch_f16(self, w, x):
+        """Raw F16 rows w (uint8 [rows, 2n]) times float32 x [..., n] (C-contiguous)
+        -> float32 [T, rows], grid.y = token."""
+        rows, n = w.shape[0], w.shape[1] // 2
+        x = x.reshape(-1, n)
+        y = self.cp.empty((x.shape[0], rows), self.cp.float32)
+        for c in self._slot_chunks(x.shape[0]):
+            self._launch_rows(self.k["matvec_f16_f32"], rows, c.stop - c.start,
+                              (w, np.int32(rows), np.int32(n), x[c], y[c]))
+        return y
+
+    def launch_pair(self, wg, wu, rows: int, slots: int, ids, expert_bytes: int,
+                    yq, yd, shared: bool):
+        """matvec_iq2_xxs_pair_q8_K over `slots` (grid.y): gate and up float32
+        [slots, rows]. ids: the slots' experts (or NULL: wg, wu are the matrices);
+        shared: one activation row for every slot, else row s for slot s."""
+        cp = self.cp
+        g, u = cp.empty((slots, rows), cp.float32), cp.empty((slots, rows), cp.float32)
+        kernel = self.k["matvec_iq2_xxs_pair_q8_K"]
+        for c in self._slot_chunks(slots):
+            act = (yq, yd) if shared else (yq[c], yd[c])
+            self._launch_rows(kernel, rows, c.stop - c.start, (
+                wg, wu, np.int64(wg.shape[1]), np.int64(expert_bytes),
+                ids if ids is NULL else ids[c], np.int32(rows), np.int32(yd.shape[-1]),
+                self._grid, *act, np.int32(shared), g[c], u[c]))
+        return g, u
+
+    def launch_q2_K(self, w, rows: int, slots: int, ids, expert_bytes: int, yq, yd,
+                    bs):
+        """matvec_q2_K_q8_K over `slots` (grid.y), each slot with its own activation
+        row: float32 [slots, rows]."""
+        y = self.cp.empty((slots, rows), self.cp.float32)
+        for c in self._slot_chunks(slots):
+            self._launch_rows(self.k["matvec_q2_K_q8_K"], rows, c.stop - c.start, (
+                w, np.int64(w.shape[1]), np.int64(expert_bytes),
+                ids if ids is NULL else ids[c], np.int32(rows), np.int32(yd.shape[-1]),
+                yq[c], yd[c], bs[c], np.int32(0), y[c]))
+        return y
+
+    def launch_attention(self, q, kv, sinks, mask=None):
+        """sink_attention of q [n_head, D] over kv [R, D] (mask: uint8 [R], or None
+        for every row) -> heads float32 [n_head, D], one block per head."""
+        cp, (H, D), R = self.cp, q.shape, kv.shape[0]
+        out = cp.empty((H, D), cp.float32)
+        scratch = cp.empty((H, max(R, 1)), cp.float32)
+        self.k["sink_attention"](
+            (H,), (256,),
+            (q, kv, sinks, NULL if mask is None else mask, np.int32(D), np.int32(R),
+             np.float32(1.0 / np.sqrt(np.float32(D))), scratch, out),
+            shared_mem=4 * D)
+        return out
 
     # -- matvecs -----------------------------------------------------------------------
     def matvec_q8_0_prequant(self, w, a) -> np.ndarray:
@@ -161,27 +238,8 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
             raise MatvecError(
                 f"Q8_0 activation: d has shape {d.shape}, expected {lead + (n // 32,)}"
             )
-        y = cp.empty((T, rows), cp.float32)
-        if T == 1:    # decode: one warp per row
-            kernel, slots, tokens = self.k["matvec_q8_0_q8_0"], 1, ()
-        else:         # prefill: a warp reads its row once for 8 tokens
-            kernel, slots = self.k["matmul_q8_0_q8_0"], -(-T // TOKENS_PER_WARP)
-            tokens = (np.int32(T),)
-        self._launch_rows(
-            kernel,
-            rows,
-            slots,
-            (
-                self.resident(raw),
-                np.int64(raw.shape[1]),
-                np.int32(rows),
-                np.int32(n // 32),
-                *tokens,
-                self.up(qs.reshape(T, n)),
-                self.up(d.reshape(T, -1)),
-                y,
-            ),
-        )
+        y = self.launch_q8_0(self.resident(raw), self.up(qs.reshape(T, n)),
+                             self.up(d.reshape(T, -1)))
         return cp.asnumpy(y).reshape(lead + (rows,))
 
     def matvec_f16(self, w, x) -> np.ndarray:
@@ -196,19 +254,7 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
                 f"F16 matvec: x has shape {x.shape}, the weight rows have {n} values"
             )
         lead, T = _lead(x)
-        y = cp.empty((T, rows), cp.float32)
-        self._launch_rows(
-            self.k["matvec_f16_f32"],
-            rows,
-            T,
-            (
-                self.resident(raw),
-                np.int32(rows),
-                np.int32(n),
-                self.up(x.reshape(T, n)),
-                y,
-            ),
-        )
+        y = self.launch_f16(self.resident(raw), self.up(x.reshape(T, n)))
         return cp.asnumpy(y).reshape(lead + (rows,))
 
     def _q8_K(self, a, n: int, slots: int | None = None):
@@ -237,24 +283,11 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
             )
         n, rows = row_elements(g_raw, 16), g_raw.shape[0]
         lead, T, yq, yd, _ = self._q8_K(a, n)
-        g, u = self._pair_launch(self.resident(g_raw), self.resident(u_raw), rows, T,
-                                 NULL, 0, yq, yd, shared=False)
+        g, u = self.launch_pair(self.resident(g_raw), self.resident(u_raw), rows, T,
+                                NULL, 0, yq, yd, shared=False)
         return cp.asnumpy(g).reshape(lead + (rows,)), cp.asnumpy(u).reshape(
             lead + (rows,)
         )
-
-    def _pair_launch(self, wg, wu, rows: int, slots: int, ids, expert_bytes: int,
-                     yq, yd, shared: bool):
-        """One launch of matvec_iq2_xxs_pair_q8_K over `slots` (grid.y): gate and up
-        float32 [slots, rows], on the device. ids: the slots' experts (or NULL: wg, wu
-        are the matrices); shared: one activation row for every slot."""
-        cp = self.cp
-        g, u = cp.empty((slots, rows), cp.float32), cp.empty((slots, rows), cp.float32)
-        self._launch_rows(self.k["matvec_iq2_xxs_pair_q8_K"], rows, slots, (
-            wg, wu, np.int64(wg.shape[1]), np.int64(expert_bytes), ids,
-            np.int32(rows), np.int32(yd.shape[-1]), self._grid, yq, yd,
-            np.int32(shared), g, u))
-        return g, u
 
     def matvec_iq2_xxs_q8_K(self, w, a) -> np.ndarray:
         """W x for one IQ2_XXS weight (the pair kernel with gate = up).
@@ -268,18 +301,8 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
         raw = weight_rows(w, 10)
         n, rows = row_elements(raw, 10), raw.shape[0]
         lead, T, yq, yd, bs = self._q8_K(a, n)
-        y = self._q2_K_launch(self.resident(raw), rows, T, NULL, 0, yq, yd, bs)
+        y = self.launch_q2_K(self.resident(raw), rows, T, NULL, 0, yq, yd, bs)
         return cp.asnumpy(y).reshape(lead + (rows,))
-
-    def _q2_K_launch(self, w, rows: int, slots: int, ids, expert_bytes: int, yq, yd,
-                     bs):
-        """One launch of matvec_q2_K_q8_K over `slots` (grid.y), each with its own
-        activation row: float32 [slots, rows], on the device."""
-        y = self.cp.empty((slots, rows), self.cp.float32)
-        self._launch_rows(self.k["matvec_q2_K_q8_K"], rows, slots, (
-            w, np.int64(w.shape[1]), np.int64(expert_bytes), ids, np.int32(rows),
-            np.int32(yd.shape[-1]), yq, yd, bs, np.int32(0), y))
-        return y
 
     def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
         """Sink attention with K = V of one token, q [n_head, D] over kv [R, D] ->
@@ -296,23 +319,7 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
         R = kv.shape[0]
         sinks = f32_of(sinks)
         check_attention_args(q, kv, sinks)
-        out = cp.empty((n_head, D), cp.float32)
-        scratch = cp.empty((n_head, max(R, 1)), cp.float32)
         mask = row_mask(R, allowed, n_raw).astype(np.uint8)
-        self.k["sink_attention"](
-            (n_head,),
-            (256,),
-            (
-                self.up(q),
-                self.up(kv),
-                self.up(sinks),
-                self.up(mask),
-                np.int32(D),
-                np.int32(R),
-                np.float32(1.0 / np.sqrt(np.float32(D))),
-                scratch,
-                out,
-            ),
-            shared_mem=4 * D,
-        )
+        out = self.launch_attention(self.up(q), self.up(kv), self.up(sinks),
+                                    self.up(mask))
         return cp.asnumpy(out)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.backends.common import CACHE_FIELDS, device_layers, empty_fill, host_kvcache
-from ds4ref.backends.cupy_kernels import NULL, ROWS_PER_BLOCK, TOKENS_PER_WARP
 from ds4ref.kvcache import KVCache, KVCacheError
 from ds4ref.kvquant import E2M1_VALUES, E4M3_VALUES
 from ds4ref.moe import MoEError
@@ -148,13 +147,15 @@ class CupyCache:
 class CupyOps:
     """ds4ref's decode-path math on device arrays: each method follows the numpy
     function it names (chapters 2-7) op for op, with `cp` in place of `np` (the float64
-    sums of squares included: CUDA has float64), and the quantized dots and the sink
-    attention through the kernels of kernels/*.cu (`k`, from cupy_backend's
-    load_kernels). Device arrays in, device arrays out; nothing crosses to the host.
+    sums of squares included: CUDA has float64), and the quantized dots, the norms,
+    the pooling and the sink attention through the kernels of kernels/*.cu, launched
+    by `be`, the CupyBackend (its launch_* methods). Device arrays in, device arrays
+    out; nothing crosses to the host.
     Mirrors ds4.c: the kernels of its CUDA graph (l. 8082-14249), one op at a time"""
 
-    def __init__(self, cfg, cp, kernels, grid8, ctx_size: int):
-        self.cfg, self.cp, self.k, self.grid8 = cfg, cp, kernels, grid8
+    def __init__(self, cfg, be, ctx_size: int):
+        self.cfg, self.be, self.cp = cfg, be, be.cp
+        cp = self.cp
         self.e4m3, self.e2m1 = cp.asarray(E4M3_VALUES), cp.asarray(E2M1_VALUES)
         # RoPE: chapter 5's cos / sin rows (its float32 angle recurrence) for every
         # position of the context, per compress ratio, made once on the host
@@ -166,99 +167,53 @@ class CupyOps:
                                    cp.asarray(np.stack([np.sin(t) * m for t in th])))
 
     # -- kernels -----------------------------------------------------------------------
-    def _rows(self, kernel, rows: int, slots: int, args, smem: int = 0):
-        self.k[kernel](((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, slots),
-                       (32 * ROWS_PER_BLOCK,), args)
-
     def mv_f16(self, w, x):
         """matvec_f16: raw F16 rows W [rows, 2n] times float32 x [..., n] -> [...,
         rows] (grid.y = token).
         Mirrors ds4.c: matvec_f16 (l. 2841)"""
-        cp, rows, n = self.cp, w.shape[0], w.shape[1] // 2
-        y = cp.empty(x.shape[:-1] + (rows,), cp.float32)
-        self._rows("matvec_f16_f32", rows, x.size // n,
-                   (w, np.int32(rows), np.int32(n), x.astype(cp.float32), y))
-        return y
+        y = self.be.launch_f16(w, x.astype(self.cp.float32))
+        return y.reshape(x.shape[:-1] + (w.shape[0],))
 
     def mv_q8_0(self, w, x=None, a=None):
         """matvec_q8_0 (x float32 [..., n]) or matvec_q8_0_prequant (a = q8_0(x)):
-        raw Q8_0 rows W [rows, row_bytes] -> [..., rows]; one token by
-        matvec_q8_0_q8_0, more by matmul_q8_0_q8_0 (8 tokens per weight read).
+        raw Q8_0 rows W [rows, row_bytes] -> [..., rows].
         Mirrors ds4.c: dot_q8_0_row (l. 2958) in matvec_q8_0"""
-        cp, rows = self.cp, w.shape[0]
         qs, d = self.q8_0(x) if a is None else a
-        nb = d.shape[-1]
-        T = d.size // nb
-        y = cp.empty(d.shape[:-1] + (rows,), cp.float32)
-        head = (w, np.int64(w.shape[1]), np.int32(rows), np.int32(nb))
-        if T == 1:
-            self._rows("matvec_q8_0_q8_0", rows, 1, (*head, qs, d, y))
-        else:
-            self._rows("matmul_q8_0_q8_0", rows, -(-T // TOKENS_PER_WARP),
-                       (*head, np.int32(T), qs, d, y))
-        return y
+        return self.be.launch_q8_0(w, qs, d).reshape(d.shape[:-1] + (w.shape[0],))
 
     def experts_pair(self, wg, wu, rows: int, ids, a, shared: bool = True):
         """Gate and up [k, rows] of the experts ids (int32 [k], on the device) against
-        one Q8_K activation a (shared), or against row s of a for slot s: one launch
-        (grid.y = slot).
+        one Q8_K activation a (shared), or against row s of a for slot s.
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917), before SwiGLU"""
-        cp, k = self.cp, ids.shape[0]
         qs, d, _ = a
-        g, u = cp.empty((k, rows), cp.float32), cp.empty((k, rows), cp.float32)
-        self._rows("matvec_iq2_xxs_pair_q8_K", rows, k,
-                   (wg, wu, np.int64(wg.shape[1]), np.int64(rows * wg.shape[1]), ids,
-                    np.int32(rows), np.int32(d.shape[-1]), self.grid8, qs, d,
-                    np.int32(shared), g, u))
-        return g, u
+        return self.be.launch_pair(wg, wu, rows, ids.shape[0], ids, rows * wg.shape[1],
+                                   qs, d, shared)
 
     def experts_down(self, w, rows: int, ids, a):
         """Down rows [k, rows]: expert ids[s] (Q2_K) times Q8_K row s of a.
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034), before the sum"""
-        cp, k = self.cp, ids.shape[0]
         qs, d, bsums = a
-        y = cp.empty((k, rows), cp.float32)
-        self._rows("matvec_q2_K_q8_K", rows, k,
-                   (w, np.int64(w.shape[1]), np.int64(rows * w.shape[1]), ids,
-                    np.int32(rows), np.int32(d.shape[-1]), qs, d, bsums, np.int32(0),
-                    y))
-        return y
+        return self.be.launch_q2_K(w, rows, ids.shape[0], ids, rows * w.shape[1], qs,
+                                   d, bsums)
 
     def attention(self, q, rows, sinks, mask=None):
         """attention_rows: sink attention of q [n_head, D] over rows [R, D] (mask: uint8
         [R] or None) -> heads [n_head, D], one block per head.
         Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
-        cp, (H, D), R = self.cp, q.shape, rows.shape[0]
-        out = cp.empty((H, D), cp.float32)
-        scratch = cp.empty((H, max(R, 1)), cp.float32)
-        self.k["sink_attention"](
-            (H,), (256,),
-            (q, rows, sinks, NULL if mask is None else mask, np.int32(D), np.int32(R),
-             np.float32(1.0 / np.sqrt(np.float32(D))), scratch, out),
-            shared_mem=4 * D)
-        return out
+        return self.be.launch_attention(q, rows, sinks, mask)
 
     # -- norms and activation quantizers -----------------------------------------------
     def rms(self, x, w=None):
         """rms_norm_no_weight / rms_norm_weight / head_rms_norm over the last axis of
         a C-contiguous x: one launch of rms_norm_rows, one block per row (float64 sum
         of squares, float32 after)."""
-        cp, n = self.cp, x.shape[-1]
-        out = cp.empty(x.shape, cp.float32)
-        self.k["rms_norm_rows"]((x.size // n,), (256,), (
-            x, NULL if w is None else w, out, np.int32(n),
-            np.float32(self.cfg.rms_eps)))
-        return out
+        return self.be.launch_rms(x, w, self.cfg.rms_eps)
 
     def pool(self, state_kv, state_score, ratio: int):
         """compressor_pool of a closed window's states [2 ratio, 2 hd] (ratio 4) or
         [ratio, hd] -> [hd]: one launch, one thread per output dim."""
-        cp = self.cp
         hd = state_kv.shape[1] // (2 if ratio == 4 else 1)
-        out = cp.empty((hd,), cp.float32)
-        self.k["compressor_pool"](((hd + 127) // 128,), (128,), (
-            state_kv, state_score, np.int32(hd), np.int32(ratio), out))
-        return out
+        return self.be.launch_pool(state_kv, state_score, hd, ratio)
 
     def _int8_codes(self, xb, num: float, den):
         """quant._int8_codes: clamp(rint(x * f32(num / den)), -128, 127), 0 where den is

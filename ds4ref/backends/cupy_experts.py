@@ -40,9 +40,9 @@ class CupyExperts:
             raise MatvecError(
                 f"IQ2_XXS experts: {k} expert ids but {T} activation rows (1 or {k})"
             )
-        g, u = self._pair_launch(self.resident(g_all), self.resident(u_all), rows, k,
-                                 self.up(ids), rows * g_all.shape[1], yq, yd,
-                                 shared=T == 1)
+        g, u = self.launch_pair(self.resident(g_all), self.resident(u_all), rows, k,
+                                self.up(ids), rows * g_all.shape[1], yq, yd,
+                                shared=T == 1)
         return cp.asnumpy(g), cp.asnumpy(u)
 
     def experts_down_q8_K(self, w_down3, ids, a):
@@ -61,8 +61,8 @@ class CupyExperts:
             raise MatvecError(
                 f"Q2_K experts: {len(ids)} expert ids but {T} activation rows"
             )
-        y = self._q2_K_launch(self.resident(w_all), rows, T, self.up(ids),
-                              rows * w_all.shape[1], yq, yd, bs)
+        y = self.launch_q2_K(self.resident(w_all), rows, T, self.up(ids),
+                             rows * w_all.shape[1], yq, yd, bs)
         return cp.asnumpy(y)
 
     def routed_experts_mid(
@@ -98,8 +98,6 @@ class CupyExperts:
         return acc
 
     # -- a prefill's routed experts: all (token, slot) pairs in one launch per pass ----
-    MAX_PAIRS = 65535   # grid.y = pair; a longer prompt goes in several launches
-
     def routed_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq):
         """gate, up float32 [T, k, n_ff]: pair p = (t, s) runs expert sel[t, s] on
         token t's Q8_K row, all pairs in one launch (each token's row repeated per
@@ -110,17 +108,11 @@ class CupyExperts:
                                                              xq)
         sel = _batch_slots(w_gate3, sel)                       # [T, k]
         T, k = sel.shape
-        ids, tok = sel.reshape(-1), np.repeat(np.arange(T), k)  # pair p: expert, token
-        g, u = [], []
-        for p in range(0, T * k, self.MAX_PAIRS):
-            t = tok[p:p + self.MAX_PAIRS]
-            gp, up = self.experts_pair_q8_K(w_gate3, w_up3, ids[p:p + self.MAX_PAIRS],
-                                            Q8KAct(xq.qs[t], xq.d[t], xq.bsums[t]))
-            g.append(gp)
-            u.append(up)
+        tok = np.repeat(np.arange(T), k)                       # pair p's token
+        g, u = self.experts_pair_q8_K(w_gate3, w_up3, sel.reshape(-1),
+                                      Q8KAct(xq.qs[tok], xq.d[tok], xq.bsums[tok]))
         n_ff = int(w_gate3.shape[1])
-        return (np.concatenate(g).reshape(T, k, n_ff),
-                np.concatenate(u).reshape(T, k, n_ff))
+        return g.reshape(T, k, n_ff), u.reshape(T, k, n_ff)
 
     def routed_experts_down_batch(self, w_down3, sel, midq):
         """down float32 [T, k, n_embd]: pair (t, s) runs expert sel[t, s] on its own
@@ -131,12 +123,6 @@ class CupyExperts:
             return NumpyBackend.routed_experts_down_batch(self, w_down3, sel, midq)
         sel = _batch_slots(w_down3, sel)
         T, k = sel.shape
-        n = midq.qs.shape[-1]
-        qs, d = midq.qs.reshape(T * k, n), midq.d.reshape(T * k, -1)
-        bs = midq.bsums.reshape(T * k, -1)
-        out = [self.experts_down_q8_K(w_down3, sel.reshape(-1)[p:p + self.MAX_PAIRS],
-                                      Q8KAct(qs[p:p + self.MAX_PAIRS],
-                                             d[p:p + self.MAX_PAIRS],
-                                             bs[p:p + self.MAX_PAIRS]))
-               for p in range(0, T * k, self.MAX_PAIRS)]
-        return np.concatenate(out).reshape(T, k, int(w_down3.shape[1]))
+        flat = Q8KAct(*(v.reshape(T * k, -1) for v in (midq.qs, midq.d, midq.bsums)))
+        down = self.experts_down_q8_K(w_down3, sel.reshape(-1), flat)
+        return down.reshape(T, k, int(w_down3.shape[1]))

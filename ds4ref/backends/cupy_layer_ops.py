@@ -13,8 +13,9 @@ from ds4ref.weights import f32_of
 
 
 class CupyLayerOps:
-    """RMSNorm, RoPE and pooling as CUDA kernels, numpy in and numpy out; mixed into
-    CupyBackend, whose `cp`, `k` (the kernels) and `up` they use.
+    """RMSNorm, RoPE and pooling as CUDA kernels, numpy in and numpy out (the
+    launch_* methods: device arrays in and out, for the resident forward too); mixed
+    into CupyBackend, whose `cp`, `k` (the kernels) and `up` they use.
     Mirrors ds4.c: the CUDA graph driver's layer kernels (l. 8082-14249), op by op"""
 
     # -- layer ops ---------------------------------------------------------------------
@@ -32,16 +33,20 @@ class CupyLayerOps:
             raise BackendError(
                 f"rms_norm_rows: weight of shape {f32_of(w).shape} for rows of {n}"
             )
-        out = cp.empty((rows, n), cp.float32)
         if rows == 0:
             return np.empty(x.shape, np.float32)
-        wd = self.up(f32_of(w)) if w is not None else NULL
-        self.k["rms_norm_rows"](
-            (rows,),
-            (256,),
-            (self.up(x.reshape(rows, n)), wd, out, np.int32(n), np.float32(eps)),
-        )
+        wd = self.up(f32_of(w)) if w is not None else None
+        out = self.launch_rms(self.up(x.reshape(rows, n)), wd, eps)
         return cp.asnumpy(out).reshape(x.shape)
+
+    def launch_rms(self, x, w, eps: float):
+        """rms_norm_rows on device arrays: every row of a C-contiguous x [..., n]
+        (times w [n], or None) -> float32 x.shape, one block per row."""
+        n = x.shape[-1]
+        out = self.cp.empty(x.shape, self.cp.float32)
+        self.k["rms_norm_rows"]((x.size // n,), (256,), (
+            x, NULL if w is None else w, out, np.int32(n), np.float32(eps)))
+        return out
 
     def rope_tail(
         self, x, pos: int, cfg, compress_ratio: int, inverse: bool = False
@@ -118,10 +123,13 @@ class CupyLayerOps:
                 f"state_score {score.shape}; "
                 f"expected ratio 4 or 128 and both {want}"
             )
-        out = cp.empty((head_dim,), cp.float32)
-        self.k["compressor_pool"](
-            ((head_dim + 127) // 128,),
-            (128,),
-            (self.up(kv), self.up(score), np.int32(head_dim), np.int32(ratio), out),
-        )
-        return cp.asnumpy(out)
+        return cp.asnumpy(self.launch_pool(self.up(kv), self.up(score), head_dim,
+                                           ratio))
+
+    def launch_pool(self, state_kv, state_score, head_dim: int, ratio: int):
+        """compressor_pool on device arrays -> float32 [head_dim], one thread per
+        output dim."""
+        out = self.cp.empty((head_dim,), self.cp.float32)
+        self.k["compressor_pool"](((head_dim + 127) // 128,), (128,), (
+            state_kv, state_score, np.int32(head_dim), np.int32(ratio), out))
+        return out

@@ -31,7 +31,7 @@ class CupyForward:
     def __init__(self, cfg, W, be, ctx_size: int = 1024):
         self.cp, self.cfg, self.ctx_size = be.cp, cfg, int(ctx_size)
         self.w = CupyWeights(cfg, W, be)
-        self.ops = CupyOps(cfg, be.cp, be.k, self.w.grid, self.ctx_size)
+        self.ops = CupyOps(cfg, be, self.ctx_size)
 
     def new_cache(self, ctx_size: int | None = None) -> CupyCache:
         """An empty device cache for ctx_size positions (at most the engine's)."""

@@ -62,10 +62,10 @@ def kernel_names(code: str) -> dict[str, list[str]]:
             for m in SIGNATURE.finditer(code)}
 
 
-def _inputs(code: str, include_dirs) -> str:
-    """Everything a build depends on, as one text to hash: the compiler, the flags,
-    the runtime, the headers of the include folders and the source."""
-    parts = [compiler(), " ".join(FLAGS), (Path(include_dirs[0]) / RUNTIME).read_text()]
+def _inputs(code: str, include_dirs, cmd_head: list[str]) -> str:
+    """Everything a build depends on, as one text to hash: the compiler and its
+    flags, the runtime, the headers of the include folders and the source."""
+    parts = [" ".join(cmd_head), (Path(include_dirs[0]) / RUNTIME).read_text()]
     for d in include_dirs:
         parts += [p.read_text() for p in sorted(Path(d).glob("*.cuh"))]
     return "\0".join(parts + [code])
@@ -83,7 +83,8 @@ def build(code: str, include_dirs, defines=()) -> Path:
         raise CudaOnCpuError('no extern "C" __global__ kernel in the source')
     flags = [*FLAGS, *(f"-D{d}" for d in defines)]
     src = code + "\n" + "".join(f"CUDA_ON_CPU_EXPORT({k})\n" for k in names)
-    key = hashlib.sha256((_inputs(src, include_dirs) + " ".join(flags)).encode())
+    head = [compiler(), *flags]
+    key = hashlib.sha256(_inputs(src, include_dirs, head).encode())
     out = cache_dir() / f"{key.hexdigest()[:20]}.so"
     if out.exists():
         return out
@@ -91,7 +92,7 @@ def build(code: str, include_dirs, defines=()) -> Path:
     pid = os.getpid()
     cpp, tmp = out.with_suffix(f".{pid}.cpp"), out.with_suffix(f".{pid}")
     cpp.write_text(src)
-    cmd = [compiler(), *flags, "-include", str(Path(include_dirs[0]) / RUNTIME),
+    cmd = [*head, "-include", str(Path(include_dirs[0]) / RUNTIME),
            *(f"-I{d}" for d in include_dirs), "-x", "c++", str(cpp), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     cpp.unlink()
