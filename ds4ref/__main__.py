@@ -146,6 +146,14 @@ def main(argv=None) -> int:
         return 2
     if args.warm_weights:  # ds4.c: --warm-weights, model_warm_weights (l. 1477)
         eng.gguf.warm_pages()
+    warm_up = None if args.resident else getattr(eng.backend, "warm_up", None)
+    if warm_up is not None:  # numba: compile or load the kernels before the first token
+        print(f"ds4ref: preparing the {eng.backend.name} kernels ...", end="",
+              file=sys.stderr, flush=True)
+        secs, compiled = warm_up()
+        how = ("compiled; later runs load them from numba's cache" if compiled
+               else "loaded from numba's cache")
+        print(f" {secs:.1f} s ({how})", file=sys.stderr)
     tok = eng.tokenizer
     if tok is None:
         print(f"ds4ref: {args.model}: the GGUF has no tokenizer", file=sys.stderr)

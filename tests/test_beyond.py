@@ -157,12 +157,14 @@ def test_steering_op_against_float64():
 
 
 def test_steering_end_to_end_as_close_as_unsteered(oracle_dir):
-    """ds4ref with ds4.c's direction file vs ds4.c's logits: no further than the unsteered runs are
-    (ds4ref and ds4.c differ from the first token on, chapter 10), and the same argmax where ds4.c's
-    top-2 margin is clear."""
+    """ds4ref with ds4.c's direction file vs ds4.c's logits: no further than the unsteered run is on this
+    machine (ds4ref and ds4.c differ from the first token on, chapter 10): mean |d| within 2.5 x, and no
+    more rows whose greedy token differs than the yardstick allows beside the unsteered run's count (a
+    count plus its noise, chapter 8)."""
+    from ds4ref.dev.oracle import yardstick_limit
     z = np.load(oracle_dir / STEER)
     prompt = [int(t) for t in z["prompt_ids"]]
-    dist = {}
+    dist, flips = {}, {}
     for case in ("none", "ffn1", "ffn-2_attn0.5"):
         a, f = (float(v) for v in z[f"{case}.scales_attn_ffn"])
         eng = Engine.open(oracle_dir / "dev_seed1.gguf",
@@ -174,10 +176,9 @@ def test_steering_end_to_end_as_close_as_unsteered(oracle_dir):
         ref = z[f"{case}.batch_logits"]
         ours = np.stack(rows)
         dist[case] = np.abs(ours - ref).mean(1).max()
-        top2 = np.sort(ref, 1)[:, -2:]
-        clear = top2[:, 1] - top2[:, 0] > 0.5
-        assert (ours.argmax(1) == ref.argmax(1))[clear].all()
+        flips[case] = int((ours.argmax(1) != ref.argmax(1)).sum())
     assert max(dist["ffn1"], dist["ffn-2_attn0.5"]) < 2.5 * dist["none"]
+    assert max(flips["ffn1"], flips["ffn-2_attn0.5"]) <= yardstick_limit(flips["none"], count=True)
 
 
 def test_steering_options_as_ds4c(oracle_dir, tmp_path):

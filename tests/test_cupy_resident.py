@@ -249,13 +249,20 @@ class SourceCounts:
     down = property(lambda self: self.cp.downloads)
 
 
-@pytest.mark.parametrize("where", ["cuda-on-cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_resident_kernels_transfers_and_agreement_with_numpy(where, path, reference):
-    """The kernels' own source (compiled for the CPU, appendix F) or a CUDA GPU: 1 upload
-    and 1 download per token, and logits corr > 0.98 at every step (median > 0.995)
-    over 130 greedy tokens, the same greedy token wherever the reference's top-2 margin
-    exceeds 0.5 (the criteria of the resident MLX forward: float sums run in the
-    kernels' order, not numpy's)."""
+@pytest.mark.parametrize("where,path", [("cuda-on-cpu", "stream"),
+                                        pytest.param("gpu", "stream", marks=pytest.mark.gpu),
+                                        pytest.param("gpu", "batch", marks=pytest.mark.gpu)])
+def test_resident_kernels_replay_ds4c_as_closely_as_its_rebuilds(where, path, oracle_dir):
+    """The kernels' own source (compiled for the CPU, appendix F) or a CUDA GPU replaying
+    ds4.c's "bundled" case (the seed-7 model, a 160-token prompt and 16 greedy steps, past
+    the ratio-128 emission at pos 127 and the indexer's top-k selections): one upload
+    and one download per logit row (the stream path: every token; the batch path: the
+    prompt's ids in one upload, its last logits in one download), and every logit
+    measure within the rebuild yardstick, the criterion of every free run against ds4.c
+    (the expert measure needs a trace, which needs host arrays). On the CPU only the
+    stream path runs: the kernels' source is slow there, and the batched device prefill
+    equals numpy's bit for bit through the stand-in (below)."""
+    from ds4ref.dev.oracle import Rebuilds, distance_to_golden, replay_golden, run_rows
     if where == "gpu":
         import cupy
         cp = counts = CountingCupy(cupy)
@@ -263,26 +270,16 @@ def test_resident_kernels_transfers_and_agreement_with_numpy(where, path, refere
         from ds4ref.dev.cuda_on_cpu import source_standin
         cp = source_standin()
         counts = SourceCounts(cp)
-    eng = Engine.open(path, backend=CupyBackend(cp=cp), resident=True, ctx_size=CTX)
-    s, r = eng.session(CTX), reference.session(CTX)
-    prompt = [1, 7, 3, 9, 2, 8, 4, 6, 5, 11, 13]       # a batched prefill (matmul, the pairs' experts)
-    s.sync(prompt), r.sync(prompt)
-    assert np.corrcoef(s.logits, r.logits)[0, 1] > 0.98
-    s.sync([1]), r.sync([1])
-    tok, corrs, checked = 1, [], 0
-    for _ in range(129):
-        up, down = counts.up, counts.down
-        ours = s.eval(tok)
-        assert (counts.up - up, counts.down - down) == (1, 1)
-        ref = r.eval(tok)
-        corrs.append(np.corrcoef(ours, ref)[0, 1])
-        top2 = np.sort(ref)[-2:]
-        if top2[1] - top2[0] > 0.5:
-            checked += 1
-            assert int(ours.argmax()) == int(ref.argmax())
-        tok = int(ref.argmax())
-    assert min(corrs) > 0.98 and np.median(corrs) > 0.995, (min(corrs), np.median(corrs))
-    assert checked > 30
+    golden = np.load(oracle_dir / "ds4c_bundled.npz")
+    eng = Engine.open(synthetic_model_path(), backend=CupyBackend(cp=cp), resident=True,
+                      ctx_size=CTX)
+    up, down = counts.up, counts.down
+    run = replay_golden(eng, golden, path, ctx_size=CTX)
+    rows = run_rows(run, path)
+    assert (counts.up - up, counts.down - down) == (len(rows), len(rows))
+    Rebuilds(oracle_dir).check("bundled", path, golden, distance_to_golden(rows, golden, path))
+    s = eng.session(CTX)
+    s.sync([1])
     with pytest.raises(TokenRangeError):
         s.eval(eng.cfg.n_vocab)
 

@@ -86,6 +86,7 @@ def test_backend_uses_either_path_with_the_same_bits(monkeypatch):
 
 def test_no_simd_kernels_for_a_generic_target(monkeypatch):
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
     assert ns.host_simd() == frozenset() and ns.simd_kernels(ns.Q2_K_BYTE_DOT) == []
 
 
@@ -178,6 +179,7 @@ def test_iq2_simd_follows_the_host_features(monkeypatch):
         assert (ns.iq2_xxs_pair_avx2_kernel in IQ2_KERNELS) == bool(f.get("avx2", False))
     assert ns.IQ2_XXS_SIMD is (IQ2_KERNELS[0] if IQ2_KERNELS else None)
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
     assert ns.simd_kernels(ns.IQ2_XXS_BYTE_DOT) == []
 
 
@@ -232,6 +234,7 @@ def test_vnni_follows_the_host_features(monkeypatch):
         assert (len(Q8_0_PAIRS) == 1) == want
     assert nv.Q8_0_SIMD is (Q8_0_PAIRS[0] if Q8_0_PAIRS else None)
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
     assert ns.simd_kernels(nv.Q8_0_BYTE_DOT) == []
 
 
@@ -324,6 +327,7 @@ def test_q8_0_avx2_follows_the_host_features(monkeypatch):
     assert qa.Q8_0_AVX2 is (Q8_0_AVX2_PAIRS[0] if Q8_0_AVX2_PAIRS else None)
     assert nm.Q8_0_AVX2 is qa.Q8_0_AVX2
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
     assert ns.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT) == []
 
 
@@ -492,6 +496,7 @@ def test_q8_0_rows_follow_the_host_features(monkeypatch):
     assert (nr.Q8_0_ROWS_VNNI is not None) == ("avx512vnni" in have) == (nv.Q8_0_SIMD is not None)
     assert (nr.Q8_0_ROWS_AVX2 is not None) == ("avx2" in have) == (qa.Q8_0_AVX2 is not None)
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
     assert ns.simd_kernels(nr.Q8_0_ROWS_BYTE_DOT) == []
 
 
@@ -679,6 +684,7 @@ def test_iq2_lanes_follow_the_host_features(monkeypatch):
     if first is not None:
         assert first[1] == (16 if first[0] is not ni.iq2_xxs_pair_lanes_avx2_kernel else 8)
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
     assert ns.simd_kernels(ni.IQ2_XXS_LANES_BYTE_DOT) == []
 
 
@@ -727,6 +733,7 @@ def test_f16_simd_follows_the_host_features_and_is_the_matvecs_choice(monkeypatc
     assert (nf.F16_SIMD is not None) == ("avx2" in ns.host_simd())
     assert nm.F16_SIMD is nf.F16_SIMD
     monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
     assert ns.simd_kernels(((nf.f16_f16c_kernel, "avx2"),)) == []
 
 
@@ -807,3 +814,19 @@ def test_the_avx2_path_gives_the_engine_the_same_bits(tmp_path):
         runs[level] = (r.stdout.strip(), np.load(out))
     assert runs["avx2"][0] == "avx2"
     assert np.array_equal(runs[None][1], runs["avx2"][1])
+
+
+def test_the_probe_reads_the_features_numba_compiles_for(monkeypatch):
+    """With NUMBA_CPU_NAME set (numba compiling for another CPU, as tools/check_portability.sh's zen3
+    setting does), the probe takes that target's NUMBA_CPU_FEATURES, not this CPU's: a Zen 3's list gives the
+    AVX2 kernels, an AVX-512 list the AVX-512 ones, and no list none."""
+    monkeypatch.delenv("DS4REF_SIMD", raising=False)
+    monkeypatch.setattr(nk.config, "CPU_NAME", "znver3")
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", "+avx2,+fma,+f16c,-avx512f,-avx512bw,-avx512vl,-avx512vnni")
+    assert ns.host_simd() == frozenset({"avx2"})
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", "+avx2,+avx512f,+avx512bw,+avx512vl,+avx512vnni")
+    assert ns.host_simd() == frozenset({"avx2", "avx512bw", "avx512vnni"})
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", "+avx2,+avx512bw,-avx512vl,+avx512vnni")
+    assert ns.host_simd() == frozenset({"avx2", "avx512bw"})      # the VNNI dot needs VL
+    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
+    assert ns.host_simd() == frozenset()

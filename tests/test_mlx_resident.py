@@ -102,32 +102,40 @@ def test_ops_on_ops_A(fw, ops_A, positions, model):
     assert worst["ffn sub-layer"] < 1e-2
 
 
-def test_decode_agrees_with_the_numpy_reference(model, fw):
-    """130 tokens (past the ratio-128 emission at pos 127 and the indexer's top-k, which
-    selects once a ratio-4 layer has more than 16 rows): logits corr > 0.98 at every
-    step and > 0.995 at the median (seen: 0.992 and 0.999), the same argmax wherever
-    the reference's top-2 margin exceeds 0.5 (ulp-level differences move int8 codes,
-    which the random tiny model amplifies to |d| up to ~1, as between ds4.c builds),
-    and the same cache row counts."""
+@pytest.mark.parametrize("path", ["batch", "stream"])
+def test_resident_replay_is_as_close_to_ds4c_as_its_rebuilds(path, oracle_dir):
+    """ds4.c's "bundled" case (the seed-7 model, a 160-token prompt and 16 greedy steps,
+    past the ratio-128 emission at pos 127 and the indexer's top-k selections) through the
+    resident forward: every logit measure within the rebuild yardstick (the expert
+    measure needs a trace, which needs host arrays), one upload per token fed and one
+    download per logit row, and the same cache row counts as chapter 6's cache."""
+    from ds4ref.dev.oracle import Rebuilds, distance_to_golden, replay_golden, run_rows
+    from ds4ref.dev.writer import synthetic_model_path
+    golden = np.load(oracle_dir / "ds4c_bundled.npz")
+    eng = Engine.open(synthetic_model_path(), backend=MlxBackend(device="cpu"),
+                      resident=True, ctx_size=192)
+    with TransferCounter() as c:
+        run = replay_golden(eng, golden, path, ctx_size=192)
+    rows = run_rows(run, path)
+    fed = len(golden["prompt_ids"]) + len(run["step_logits"])      # MLX: token by token
+    assert (c.up, c.down) == (fed, len(rows))
+    Rebuilds(oracle_dir).check("bundled", path, golden, distance_to_golden(rows, golden, path))
+
+
+def test_cache_rows_follow_chapter_6s_cache(model, fw):
+    """130 tokens (past the ratio-128 emission at pos 127 and the indexer's first
+    selections): the device cache holds as many raw, compressed and indexer rows per layer
+    as chapter 6's cache after the same tokens."""
     cfg, W = model
     toks = np.random.default_rng(3).integers(0, cfg.n_vocab, 130)
     ref_cache, cache = KVCache(cfg, 320), fw.new_cache()
-    corrs, checked = [], 0
     for pos, t in enumerate(toks):
-        ours = fw.eval(cache, int(t), pos)
-        ref = forward_token(cfg, W, ref_cache, int(t), pos)
-        corrs.append(np.corrcoef(ours, ref)[0, 1])
-        top2 = np.sort(ref)[-2:]
-        if top2[1] - top2[0] > 0.5:
-            checked += 1
-            assert int(ours.argmax()) == int(ref.argmax()), pos
-    assert min(corrs) > 0.98 and np.median(corrs) > 0.995, (min(corrs), corrs)
-    assert checked > 50
+        fw.eval(cache, int(t), pos)
+        forward_token(cfg, W, ref_cache, int(t), pos)
     host = cache.to_kvcache()
     for lc, rc in zip(host.layers, ref_cache.layers):
         assert (lc.n_raw, lc.n_comp, lc.n_index_comp) == (
             rc.n_raw, rc.n_comp, rc.n_index_comp)
-        assert rel(lc.raw_rows, rc.raw_rows) < 0.2  # E4M3 codes move now and then
     assert ref_cache.layers[3].n_comp == 1 and ref_cache.layers[2].n_index_comp == 32
 
 
@@ -190,23 +198,25 @@ def test_resident_refuses_what_it_does_not_do(engine):
 
 
 def test_cli_resident_decodes_on_the_device(oracle_gguf, capsys):
-    """`python -m ds4ref --backend mlx --resident` greedy-decodes the same text as numpy
-    (every step's top-2 margin checked first, so equal text is the claim), and a backend
+    """`python -m ds4ref --backend mlx --resident` prints the greedy text of the resident
+    engine (the same arithmetic through the API: equal text is exact, on any machine;
+    how close that arithmetic is to ds4.c is the yardstick test's), and a backend
     without a device forward is refused with a message, exit status 2."""
     from ds4ref.__main__ import main
     args = ["-m", str(oracle_gguf), "-p", "hi", "-n", "3", "--temp", "0", "--no-progress",
             "-c", "64"]
-    eng = Engine.open(oracle_gguf, "numpy")
+    eng = Engine.open(oracle_gguf, backend=MlxBackend(device="cpu"), resident=True,
+                      ctx_size=64)
     s, tok = eng.session(64), eng.tokenizer
     s.sync(tok.chat_prompt("hi", "You are a helpful assistant", "high"))
+    out, want = tok.stream_decoder(), ""
     for _ in range(3):
-        top2 = np.sort(np.asarray(s.logits, np.float64))[-2:]
-        assert top2[1] - top2[0] > 1e-3
-        s.eval(s.argmax())
-    assert main(args + ["--backend", "numpy"]) == 0
-    ref = capsys.readouterr().out
+        t = s.argmax()
+        want += out(t)
+        s.eval(t)
+    want += out(None) + "\n"
     assert main(args + ["--backend", "mlx", "--resident"]) == 0
-    assert capsys.readouterr().out == ref and len(ref) > 1
+    assert capsys.readouterr().out == want and len(want) > 1
     assert main(args + ["--backend", "numba", "--resident"]) == 2
     assert "no device forward" in capsys.readouterr().err
 

@@ -31,8 +31,8 @@ BACKENDS = ("numpy", "numba", "mlx", "cupy")
 # book/results/: those records stay absent until they are.
 VERIFIED: dict[tuple[str, str], str] = {
     ("numba", "cpu"): (
-        "tests/test_backends.py (every op on ds4.c's ops_A, the golden logits) and the "
-        "parity section of book/09_backends.ipynb"
+        "tests/test_backends.py (every op on ds4.c's ops_A), tests/test_engine.py (the "
+        "rebuild yardstick) and the parity section of book/09_backends.ipynb"
     ),
     ("numpy", "cpu"): (
         "the reference: tests/test_engine.py (the rebuild yardstick) and "
@@ -255,7 +255,14 @@ def _simd_description() -> dict:
         return {}
     from llvmlite import binding
     from ds4ref.backends.numba_simd import host_simd
-    return {"llvm_cpu": binding.get_host_cpu_name(), "simd": sorted(host_simd())}
+    have = binding.get_host_cpu_features()
+    # the CPU's own vector sets, whatever DS4REF_SIMD lets the kernels use
+    flags = sorted(f for f, on in have.items() if on and f.startswith(SIMD_FAMILIES))
+    return {"llvm_cpu": binding.get_host_cpu_name(), "cpu_flags": flags,
+            "simd": sorted(host_simd())}
+
+
+SIMD_FAMILIES = ("sse4", "avx", "fma", "f16c", "amx", "neon", "sve")
 
 
 def _cupy_dist() -> str:

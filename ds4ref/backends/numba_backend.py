@@ -29,7 +29,7 @@ from ds4ref.backends.numba_matvec import (
     numba_matvec_q4_K_q8_K,
     numba_matvec_q8_0_prequant,
 )
-from ds4ref.backends.numba_kernels import run_kernel
+from ds4ref.backends.numba_kernels import run_kernel, warm_up_kernels
 # chapter 03's row kernels and tables (f16 bits -> float32; IQ2_XXS grid and signs,
 # flat), reused by the fused expert kernels below, so one row of an expert is computed
 # exactly as a plain matvec computes it
@@ -368,6 +368,12 @@ class NumbaBackend(NumpyBackend):
                 out,
             )
         return out
+
+    def warm_up(self) -> tuple[float, int]:
+        """Compile (or load from numba's cache) every kernel a run may call, before its
+        first token: warm_up_kernels. Mirrors ds4.c: nothing (its kernels are compiled
+        with the program)"""
+        return warm_up_kernels(self)
 
     def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
         """Sink attention with K = V of one token: q [n_head, D] over cached rows kv

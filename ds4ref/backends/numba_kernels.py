@@ -44,6 +44,39 @@ def run_kernel(kernel, *args, rows: int | None = None, min_rows: int = 512) -> N
             set_num_threads(old_threads)
 
 
+def kernel_signatures() -> tuple[int, int]:
+    """(loaded, compiled): how many kernel signatures numba has loaded from its cache on
+    disk and compiled in this process, over every numba kernel of ds4ref.backends.
+    Mirrors ds4.c: nothing (ds4.c's kernels are compiled with the program)"""
+    import sys
+    from numba.core.dispatcher import Dispatcher
+    kernels = {id(v): v for n, m in list(sys.modules.items())
+               if n.startswith("ds4ref.backends.numba") for v in vars(m).values()
+               if isinstance(v, Dispatcher)}.values()
+    return (sum(sum(k.stats.cache_hits.values()) for k in kernels),
+            sum(sum(k.stats.cache_misses.values()) for k in kernels))
+
+
+def warm_up_kernels(be) -> tuple[float, int]:
+    """Run the model once with backend `be` on the bundled tiny model (a 40-token
+    prompt, past every token-count threshold of the kernels' dispatch, then two decode
+    steps), so that numba compiles each kernel, or loads it from its cache on disk,
+    before the first token of a real run: (seconds, signatures compiled, not loaded).
+    Mirrors ds4.c: nothing (ds4.c's kernels are compiled with the program)"""
+    import time
+    from ds4ref.bundled import default_model_path
+    from ds4ref.kvcache import KVCache
+    from ds4ref.model import forward_token, prefill
+    from ds4ref.weights import load_model
+    before, t0 = kernel_signatures()[1], time.perf_counter()
+    _, cfg, w = load_model(default_model_path())
+    cache = KVCache(cfg, 64)
+    prefill(cfg, w, cache, list(range(1, 41)), be)
+    for pos, tok in ((40, 2), (41, 3)):
+        forward_token(cfg, w, cache, tok, pos, be)
+    return time.perf_counter() - t0, kernel_signatures()[1] - before
+
+
 @njit(inline="always")
 def _f16(lut, raw, r, o):
     """The f16 at bytes o, o+1 of row r, via the lookup table."""

@@ -178,10 +178,10 @@ class SimdSettingError(DS4RefError, ValueError):
 def host_simd() -> frozenset:
     """The byte-dot instruction sets ("avx2", "avx512bw", "avx512vnni" with AVX-512VL)
     that the numba kernels may use on this CPU, from llvmlite's host features, at most
-    those of the level DS4REF_SIMD names (SIMD_LEVELS; unset: all); none where numba
-    compiles for another target (NUMBA_CPU_NAME set: a generic target may lack them) or
-    the features cannot be read. The one CPU probe of ds4ref (chapter 9's fused kernels
-    use it too).
+    those of the level DS4REF_SIMD names (SIMD_LEVELS; unset: all). Where numba
+    compiles for another target (NUMBA_CPU_NAME), that target's NUMBA_CPU_FEATURES
+    decide, and none without them; none where the features cannot be read. The one CPU
+    probe of ds4ref (chapter 9's fused kernels use it too).
     Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1772) (which picks its NEON path at compile
     time)"""
     level = os.environ.get("DS4REF_SIMD", "avx512").strip().lower()
@@ -189,11 +189,14 @@ def host_simd() -> frozenset:
         raise SimdSettingError(f"DS4REF_SIMD={level!r}: expected one of "
                                f"{', '.join(SIMD_LEVELS)}")
     if config.CPU_NAME not in (None, "host"):
-        return frozenset()
-    try:
-        features = _llvm_binding.get_host_cpu_features()
-    except RuntimeError:  # llvmlite cannot read the features on some hosts
-        return frozenset()
+        # "+avx2,-avx512f,...": what numba compiles for, so what the kernels may use
+        named = (config.CPU_FEATURES or "").split(",")
+        features = {f[1:]: f[0] == "+" for f in named if f[:1] in "+-" and f[1:]}
+    else:
+        try:
+            features = _llvm_binding.get_host_cpu_features()
+        except RuntimeError:  # llvmlite cannot read the features on some hosts
+            return frozenset()
     have = {f for f in SIMD_LEVELS[level] if features.get(f, False)}
     if not features.get("avx512vl", False):  # the VNNI decode dot is 256 bits wide
         have.discard("avx512vnni")

@@ -79,7 +79,10 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
            else Engine.open(path, backend=be))
     # every weight page mapped, as ds4.c's --warm-weights does
     eng.gguf.warm_pages()
-    # compiles kernels, uploads weights
+    # numba: every kernel of every token-count regime compiled (or loaded) first
+    if hasattr(eng.backend, "warm_up") and not resident:
+        eng.backend.warm_up()
+    # uploads weights, touches this model's pages and buffers
     warm = eng.session(ctx_size=ctx)
     warm.sync(prompt[:2])
     warm.eval(int(np.argmax(warm.logits)))

@@ -80,6 +80,105 @@ def replay_golden(
     return out
 
 
+import json
+from pathlib import Path
+
+from ds4ref.gguf import DS4RefError
+
+# how much further than the furthest rebuild a run may land (counts: one more)
+REBUILD_SLACK = 1.25
+# ds4's expert choice is "clear" above this margin (data/oracle/README.md, 2)
+DECISION_MARGIN = 1e-2
+COUNTS = ("expert sets differing, margin > 1e-2", "rows whose argmax differs")
+
+
+def yardstick_limit(worst: float, count: bool = False, slack: float = REBUILD_SLACK):
+    """The most a run may have on a measure whose furthest rebuild has `worst`: slack x
+    worst, and for a count also its own noise, 1 + 2 sqrt(worst)."""
+    return slack * worst + (1 + 2 * np.sqrt(worst) if count else 0)
+
+
+class YardstickError(DS4RefError, AssertionError):
+    """A run lands further from ds4.c's golden rows than the rebuild yardstick allows
+    (the message names each measure, its value and its limit)."""
+
+
+def golden_rows(golden, path: str) -> np.ndarray:
+    """ds4.c's logit rows of one path [R, n_vocab]: batch = the prompt's, then the
+    steps'; stream = every prompt position's, then the steps'."""
+    if path == "batch":
+        return np.vstack([golden["prompt_logits"][None], golden["step_logits"]])
+    return np.vstack([golden["stream_pos_logits"], golden["stream_step_logits"]])
+
+
+def run_rows(run: dict, path: str) -> np.ndarray:
+    """replay_golden's rows in golden_rows' layout."""
+    first = run["prompt_logits"][None] if path == "batch" else run["pos_logits"]
+    return np.vstack([first, run["step_logits"]])
+
+
+def distance_to_golden(rows, golden, path: str, expert_ids=None) -> dict:
+    """The yardstick's measures of rows [R, n_vocab], each "larger is further": worst
+    and median row, the rows whose argmax differs and, given expert_ids
+    [R, n_routed, 6], the expert sets that differ where ds4's margin is clear."""
+    m = logit_agreement(rows, golden_rows(golden, path))
+    return _distance(m, np.argmax(rows, -1), golden, path, expert_ids)
+
+
+def _distance(m: dict, argmax, golden, path: str, expert_ids) -> dict:
+    out = {"1 - corr (worst row)": float(1 - m["corr"].min()),
+           "mean |d| (worst row)": float(m["mean_abs"].max()),
+           "mean |d| (median row)": float(np.median(m["mean_abs"])),
+           "max |d| (worst row)": float(m["max_abs"].max()),
+           COUNTS[1]: int((argmax != np.argmax(golden_rows(golden, path), -1)).sum())}
+    if expert_ids is not None:
+        want = golden[f"trace_{path}_expert_ids"]
+        clear = golden[f"trace_{path}_expert_margin"] > DECISION_MARGIN
+        out[COUNTS[0]] = sum(set(expert_ids[p, j].tolist()) != set(want[p, j].tolist())
+                             for p, j in zip(*np.nonzero(clear)))
+    return out
+
+
+class Rebuilds:
+    """ds4.c rebuilt with other flags: each rebuild's distance to the golden rows, per
+    case ("A", "C", "bundled", "trained") and path, and the limits they set.
+    Mirrors ds4.c: nothing (its Makefile build against six other builds of it)"""
+
+    def __init__(self, oracle_dir):
+        oracle_dir = Path(oracle_dir)
+        self.data = np.load(oracle_dir / "rebuilds.npz")
+        self.meta = json.loads((oracle_dir / "rebuilds.json").read_text())
+        self.variants = [v for v in self.meta["variants"] if v != "golden"]
+
+    def distances(self, case: str, path: str, golden) -> dict:
+        """{rebuild: distance_to_golden(...)} of every rebuild on this case and path."""
+        out = {}
+        for v in self.variants:
+            key = f"{case}.{path}.{v}"
+            m = {k: self.data[f"{key}.{k}"] for k in ("corr", "mean_abs", "max_abs")}
+            out[v] = _distance(m, self.data[f"{key}.argmax"], golden, path,
+                               self.data[f"{key}.expert_ids"])
+        return out
+
+    def limits(self, case: str, path: str, golden, slack=REBUILD_SLACK) -> dict:
+        """{measure: the most a run may have}: slack x the furthest rebuild; a count
+        also gets its own noise, 1 + 2 sqrt(count)."""
+        d = list(self.distances(case, path, golden).values())
+        return {k: yardstick_limit(max(x[k] for x in d), k in COUNTS, slack)
+                for k in d[0]}
+
+    def check(self, case: str, path: str, golden, ours: dict) -> dict:
+        """{measure: claim} for a run's distance_to_golden, each "<= limit"; raises
+        YardstickError naming every measure past its limit."""
+        lim = self.limits(case, path, golden)
+        over = [f"{k} {ours[k]:.4g} > {lim[k]:.4g}" for k in ours if ours[k] > lim[k]]
+        if over:
+            raise YardstickError(f"case {case} {path}: further from ds4.c than its "
+                                 f"rebuilds: {'; '.join(over)}")
+        return {k: f"<= {int(lim[k])}" if k in COUNTS else f"<= {lim[k]:.4g}"
+                for k in ours}
+
+
 from ds4ref.backend import NUMPY
 from ds4ref.indexer import indexer_allowed
 from ds4ref.moe import topk_selected_experts
