@@ -667,7 +667,8 @@ def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
               lambda s: NUMPY.routed_experts_down_batch(L.ffn_down_exps, s, midq)):
         with pytest.raises(MoEError, match="expert id outside"):
             f(bad)
-    with pytest.raises(MatvecError, match="expert ids"):
+    # the fused pass checks the ids itself; without SIMD kernels the composition's reference does
+    with pytest.raises((MatvecError, MoEError), match="expert ids? "):
         nb.routed_experts_down_batch(L.ffn_down_exps, bad, midq)
 
 
