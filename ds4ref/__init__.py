@@ -13,6 +13,7 @@ _LAZY = {
     "Engine": "ds4ref.engine",
     "Session": "ds4ref.engine",
     "Snapshot": "ds4ref.engine",
+    "Model": "ds4ref.model",
     "forward_token": "ds4ref.model",
     "prefill": "ds4ref.model",
     "SampleRNG": "ds4ref.sample",

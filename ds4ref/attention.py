@@ -4,6 +4,7 @@
 grouped output."""
 import numpy as np
 
+from ds4ref.arrays import f32
 from ds4ref.backend import NUMPY
 from ds4ref.norms import head_rms_norm, rms_norm_weight
 # the sink attention op itself (section 5.4) lives below the backend, in ds4ref.ops
@@ -39,7 +40,7 @@ def grouped_out_low(heads, w_a, cfg, be=NUMPY) -> np.ndarray:
 
     heads [..., n_head, hd] -> low [..., n_out_group, n_lora_o].
     Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
-    heads = np.asarray(heads, dtype=np.float32)
+    heads = f32(heads)
     G, rank = cfg.n_out_group, cfg.n_lora_o
     if heads.shape[-2:] != (cfg.n_head, cfg.head_dim) or cfg.n_head % G:
         raise ValueError(
@@ -48,14 +49,14 @@ def grouped_out_low(heads, w_a, cfg, be=NUMPY) -> np.ndarray:
         )
     # [..., G, group_dim]
     x = heads.reshape(heads.shape[:-2] + (G, cfg.n_head // G * cfg.head_dim))
-    # uint8 [G * rank, row_bytes]
-    rows = w_a if isinstance(w_a, np.ndarray) else w_a.data
-    if rows.shape[0] < G * rank:
+    # raw rows uint8 [G * rank, bytes], or a tensor of GGUF shape [k, G * rank]
+    n_rows = w_a.shape[0] if isinstance(w_a, np.ndarray) else w_a.shape[-1]
+    if n_rows != G * rank:
         raise ValueError(
-            f"grouped_out: attn_output_a has {rows.shape[0]} rows, need "
+            f"grouped_out: attn_output_a has {n_rows} rows, need "
             f"n_out_group * n_lora_o = {G * rank}"
         )
-    return be.matvec_q8_0_grouped(rows[: G * rank], x)     # [..., G, rank]
+    return be.project_grouped(w_a, x)                      # [..., G, rank]
 
 
 def layer_grouped_out(heads, w_a, w_b, cfg, be=NUMPY) -> np.ndarray:

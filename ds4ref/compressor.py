@@ -8,11 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds4ref.arrays import copy, f32, wide_float, xp_of
 from ds4ref.backend import NUMPY
 from ds4ref.gguf import DS4RefError
 from ds4ref.ops import NEG_INF
-from ds4ref.kvquant import fp8_kv_quantize_row, indexer_qat_row
-from ds4ref.rope import rope_tail
 from ds4ref.trace import NO_TRACE
 from ds4ref.weights import f32_of
 
@@ -50,8 +49,8 @@ def compressor_project(x, wkv, wgate, ape, pos: int, ratio: int, be=NUMPY):
     width = 2*head_dim for ratio 4, head_dim for ratio 128.
     Mirrors ds4.c: compressor_decode_one (l. 6514)"""
     kv = be.project(wkv, x)
-    score = be.project(wgate, x) + ape.numpy()[pos % ratio]
-    return kv.astype(np.float32), score.astype(np.float32)
+    score = be.project(wgate, x) + f32_of(ape)[pos % ratio]
+    return kv, score
 
 
 def compressor_update_state(
@@ -70,10 +69,9 @@ def compressor_update_state(
         raise CompressorError(
             f"state of shape {state_kv.shape} does not fit ratio {ratio}"
         )
-    if np.shape(kv) != state_kv.shape[1:] or np.shape(score) != state_kv.shape[1:]:
+    if kv.shape != state_kv.shape[1:] or score.shape != state_kv.shape[1:]:
         raise CompressorError(
-            f"rows of shape {np.shape(kv)} do not fit a state of width "
-            f"{state_kv.shape[1]}"
+            f"rows of shape {kv.shape} do not fit a state of width {state_kv.shape[1]}"
         )
     row = compressor_state_row(pos, ratio)
     state_kv[row] = kv
@@ -87,20 +85,17 @@ def compressor_pool(state_kv, state_score, ratio: int) -> np.ndarray:
     Ratio 4 takes columns [:hd] of rows 0-3 and [hd:] of rows 4-7; a dimension whose
     best score is still ~-1e30 gives 0.
     Mirrors ds4.c: compressor_pool_decode_state (l. 6459)"""
+    xp = xp_of(state_kv)
     if ratio == 4:
         hd = state_kv.shape[1] // 2
-        kv = np.concatenate([state_kv[:4, :hd], state_kv[4:, hd:]])        # [8, hd]
-        score = np.concatenate([state_score[:4, :hd], state_score[4:, hd:]])
+        kv = xp.concatenate([state_kv[:4, :hd], state_kv[4:, hd:]])        # [8, hd]
+        score = xp.concatenate([state_score[:4, :hd], state_score[4:, hd:]])
     else:
         kv, score = state_kv, state_score                                    # [128, hd]
     m = score.max(axis=0)
-    w = np.exp(score - m).astype(np.float32)
-    pooled = np.sum(w * kv, axis=0, dtype=np.float32) / np.sum(
-        w, axis=0, dtype=np.float32
-    )
-    return np.where(m <= NEG_INF * np.float32(0.5), np.float32(0), pooled).astype(
-        np.float32
-    )
+    w = xp.exp(score - m)
+    pooled = (w * kv).sum(axis=0) / w.sum(axis=0)
+    return xp.where(m <= float(NEG_INF) * 0.5, 0.0, pooled)
 
 
 def compressor_norm(pooled, norm, eps: float = 1e-6) -> np.ndarray:
@@ -108,10 +103,11 @@ def compressor_norm(pooled, norm, eps: float = 1e-6) -> np.ndarray:
     [head_dim].
 
     Mirrors ds4.c: compressor_decode_one (l. 6514)"""
-    pooled = np.asarray(pooled, np.float32)
-    ss = np.sum(pooled.astype(np.float64) ** 2)
-    scale = np.float32(1) / np.sqrt(np.float32(ss / pooled.size) + np.float32(eps))
-    return (pooled * scale * f32_of(norm)).astype(np.float32)
+    pooled = f32(pooled)
+    xp = xp_of(pooled)
+    wide = pooled.astype(wide_float(xp))
+    mean = ((wide * wide).sum() / pooled.size).astype(xp.float32)
+    return pooled * (1.0 / xp.sqrt(mean + eps)) * f32_of(norm)
 
 
 def compressor_advance_state(state_kv, state_score, ratio: int) -> None:
@@ -177,16 +173,12 @@ def compressor_decode_one(
     trace(f"{name}_score", score)
     if not compressor_update_state(state_kv, state_score, kv, score, pos, ratio):
         return None
-    trace(f"{name}_state_kv", state_kv.copy())
-    trace(f"{name}_state_score", state_score.copy())
+    trace(f"{name}_state_kv", copy(state_kv))
+    trace(f"{name}_state_score", copy(state_score))
     pooled = compressor_pool(state_kv, state_score, ratio)
     normed = compressor_norm(pooled, lane.norm, cfg.rms_eps)
-    roped = rope_tail(normed, pos + 1 - ratio, cfg, ratio)
-    row = (
-        fp8_kv_quantize_row(roped, cfg.n_rot)
-        if lane.kind == "attn"
-        else indexer_qat_row(roped)
-    )
+    roped = be.rope(normed, pos + 1 - ratio, cfg, ratio)
+    row = be.fp8_kv(roped, cfg.n_rot) if lane.kind == "attn" else be.indexer_qat(roped)
     for n, v in (("pooled", pooled), ("normed", normed), ("rope", roped), ("row", row)):
         trace(f"{name}_{n}", v)
     compressor_advance_state(state_kv, state_score, ratio)

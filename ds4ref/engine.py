@@ -59,6 +59,7 @@ class Engine:
     mtp = None           # a chapter-11 MTPModel (the MTP draft block), or None
     mtp_draft_tokens, mtp_margin = 1, 3.0
     forward = None       # a DeviceForward (resident=True): sessions decode on it
+    model = None         # chapter 8's Model on the backend: sessions run it
 
     @classmethod
     def open(
@@ -108,6 +109,9 @@ class Engine:
             be.check_weights(eng.mtp)
         if resident:
             eng.forward = be.device_forward(cfg, weights, ctx_size)
+        else:
+            from ds4ref.model import Model
+            eng.model = Model(cfg, weights, be)   # weights placed once, for sessions
         return eng
 
     @property

@@ -4,15 +4,16 @@
 output HC head."""
 import numpy as np
 
+from ds4ref.arrays import f32, xp_of
 from ds4ref.backend import NUMPY
 from ds4ref.norms import rms_norm_no_weight
 from ds4ref.ops import sigmoid_stable
 from ds4ref.weights import f32_of
 
 
-def _check_hc_state(X, cfg, what: str) -> np.ndarray:
+def _check_hc_state(X, cfg, what: str):
     """X as float32 [..., n_hc, n_embd], or a ValueError naming the function `what`."""
-    X = np.asarray(X, dtype=np.float32)
+    X = f32(X)
     if X.ndim < 2 or X.shape[-2:] != (cfg.n_hc, cfg.n_embd):
         raise ValueError(
             f"{what}: HC state has shape {X.shape}, expected [..., {cfg.n_hc}, "
@@ -26,8 +27,8 @@ def hc_from_plain_embedding(x, n_hc: int = 4) -> np.ndarray:
     -> [..., n_hc, n_embd].
 
     Mirrors ds4.c: hc_from_plain_embedding (l. 4430)"""
-    x = np.asarray(x, dtype=np.float32)
-    return np.repeat(x[..., None, :], n_hc, axis=-2)
+    x = f32(x)
+    return xp_of(x).repeat(x[..., None, :], n_hc, axis=-2)
 
 
 def hc_mix(X, fn, cfg, be=NUMPY) -> np.ndarray:
@@ -50,8 +51,8 @@ def hc_split_sinkhorn(
     comb[s, d] (source s, destination d; flat index 2*n_hc + s*n_hc + d) is
     Sinkhorn-normalised.
     Mirrors ds4.c: hc_split_sinkhorn_one (l. 4258)"""
-    mix = np.asarray(mix, dtype=np.float32)
-    scale, base = f32_of(scale), f32_of(base)
+    mix, scale, base = f32(mix), f32_of(scale), f32_of(base)
+    xp = xp_of(mix)
     n_mix = 2 * n_hc + n_hc * n_hc
     if mix.shape[-1:] != (n_mix,) or base.shape != (n_mix,) or scale.shape != (3,):
         raise ValueError(
@@ -60,24 +61,24 @@ def hc_split_sinkhorn(
         )
     if iters < 1:
         raise ValueError(f"hc_split_sinkhorn: iters must be >= 1, got {iters}")
-    one, eps = np.float32(1.0), np.float32(eps)
     z_pre = mix[..., :n_hc] * scale[0] + base[:n_hc]
     z_post = mix[..., n_hc:2 * n_hc] * scale[1] + base[n_hc:2 * n_hc]
     z_comb = (mix[..., 2 * n_hc :] * scale[2] + base[2 * n_hc :]).reshape(
         mix.shape[:-1] + (n_hc, n_hc)
     )
-    pre = one / (one + np.exp(-z_pre)) + eps
-    post = np.float32(2.0) / (one + np.exp(-z_post))
+    # Python floats take the arrays' float32 (numpy 2's promotion rules)
+    pre = 1.0 / (1.0 + xp.exp(-z_pre)) + eps
+    post = 2.0 / (1.0 + xp.exp(-z_post))
 
     # pass 1: row softmax + eps,
-    e = np.exp(z_comb - z_comb.max(axis=-1, keepdims=True))
-    c = e * (one / e.sum(axis=-1, keepdims=True)) + eps
+    e = xp.exp(z_comb - z_comb.max(axis=-1, keepdims=True))
+    c = e * (1.0 / e.sum(axis=-1, keepdims=True)) + eps
     # then the columns
-    c = c * (one / (c.sum(axis=-2, keepdims=True) + eps))
+    c = c * (1.0 / (c.sum(axis=-2, keepdims=True) + eps))
     # passes 2..iters: rows, then columns
     for _ in range(1, iters):
-        c = c * (one / (c.sum(axis=-1, keepdims=True) + eps))
-        c = c * (one / (c.sum(axis=-2, keepdims=True) + eps))
+        c = c * (1.0 / (c.sum(axis=-1, keepdims=True) + eps))
+        c = c * (1.0 / (c.sum(axis=-2, keepdims=True) + eps))
     return pre, post, c
 
 
@@ -86,8 +87,8 @@ def hc_weighted_sum(X, w) -> np.ndarray:
     * X[h] -> [..., n_embd].
 
     Mirrors ds4.c: hc_weighted_sum_one (l. 4339)"""
-    X, w = np.asarray(X, dtype=np.float32), np.asarray(w, dtype=np.float32)
-    acc = np.zeros(X.shape[:-2] + X.shape[-1:], dtype=np.float32)
+    X, w = f32(X), f32(w)
+    acc = xp_of(X).zeros(X.shape[:-2] + X.shape[-1:], dtype=X.dtype)
     for h in range(X.shape[-2]):  # stream by stream, in ds4.c's order
         acc = acc + X[..., h, :] * w[..., h, None]
     return acc
@@ -110,8 +111,7 @@ def hc_post(y, X, post, comb) -> np.ndarray:
     [..., n_hc, n_embd] -> like X.
 
     Mirrors ds4.c: hc_post_one (l. 4438)"""
-    y, X = np.asarray(y, dtype=np.float32), np.asarray(X, dtype=np.float32)
-    post, comb = np.asarray(post, dtype=np.float32), np.asarray(comb, dtype=np.float32)
+    y, X, post, comb = f32(y), f32(X), f32(post), f32(comb)
     n_hc = X.shape[-2]
     if (
         y.shape[-1] != X.shape[-1]
@@ -128,13 +128,43 @@ def hc_post(y, X, post, comb) -> np.ndarray:
     return out
 
 
+class HyperConnection:
+    """One sub-layer's hyper-connection on backend `be`: the F16 mixer fn
+    [2 n_hc + n_hc^2, n_hc n_embd] and F32 scale [3], base [2 n_hc + n_hc^2], placed
+    once; `pre` before the sub-layer, `post` after it, for any leading token shape.
+    Mirrors ds4.c: hc_pre_from_state_one_scratch (l. 4356), hc_post_one (l. 4438)"""
+
+    def __init__(self, cfg, fn, scale, base, be=NUMPY):
+        self.cfg, self.be = cfg, be
+        self.fn, self.scale, self.base = be.place(fn), be.place(scale), be.place(base)
+
+    def mix(self, X):
+        """The control vector of X [..., n_hc, n_embd] -> [..., 2 n_hc + n_hc^2]."""
+        return hc_mix(X, self.fn, self.cfg, self.be)
+
+    def split(self, mix):
+        """(pre [..., n_hc], post [..., n_hc], comb [..., n_hc, n_hc]) of a mix."""
+        c = self.cfg
+        return hc_split_sinkhorn(mix, self.scale, self.base, c.n_hc, c.hc_sinkhorn_iter,
+                                 c.hc_eps)
+
+    def pre(self, X):
+        """X [..., n_hc, n_embd] -> the sub-layer input x [..., n_embd], post, comb."""
+        pre, post, comb = self.split(self.mix(X))
+        return hc_weighted_sum(X, pre), post, comb
+
+    @staticmethod
+    def post(y, X, post, comb):
+        """The sub-layer output y [..., n_embd] back into the streams X -> like X."""
+        return hc_post(y, X, post, comb)
+
+
 def output_hc_weights(mix, scale, base, eps: float = 1e-6) -> np.ndarray:
     """The output head's stream weights: sigmoid(mix * scale[0] + base) + eps,
     [..., n_hc] (no Sinkhorn).
 
     Mirrors ds4.c: output_hc_head_one (l. 8008)"""
-    mix = np.asarray(mix, dtype=np.float32)
-    return sigmoid_stable(mix * f32_of(scale)[0] + f32_of(base)) + np.float32(eps)
+    return sigmoid_stable(f32(mix) * f32_of(scale)[0] + f32_of(base)) + eps
 
 
 def output_hc_head(X, fn, scale, base, cfg, be=NUMPY) -> np.ndarray:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4ref.arrays import f32, xp_of
 from ds4ref.backend import NUMPY
 from ds4ref.gguf import DS4RefError
-from ds4ref.kvquant import indexer_qat_row
-from ds4ref.rope import rope_tail
 from ds4ref.trace import NO_TRACE
 
 
@@ -26,8 +25,8 @@ def indexer_query(cfg, lw, il: int, qr_norm, pos: int, be=NUMPY):
     q = be.project(lw.indexer_attn_q_b, qr_norm).reshape(
         cfg.n_indexer_head, cfg.indexer_head_dim
     )
-    q_rope = rope_tail(q, pos, cfg, cfg.compress_ratio(il))
-    return q, q_rope, indexer_qat_row(q_rope)
+    q_rope = be.rope(q, pos, cfg, cfg.compress_ratio(il))
+    return q, q_rope, be.indexer_qat(q_rope)
 
 
 def indexer_weights(cfg, lw, attn_norm, be=NUMPY):
@@ -35,11 +34,10 @@ def indexer_weights(cfg, lw, attn_norm, be=NUMPY):
     1/sqrt(128*n_head)), [n_indexer_head].
 
     Mirrors ds4.c: indexer_allowed_decode_one (l. 6943)"""
-    w = be.project(lw.indexer_proj, attn_norm).astype(np.float32)
-    scale = np.float32(1) / np.sqrt(
-        np.float32(cfg.indexer_head_dim * cfg.n_indexer_head)
-    )
-    return w, (w * scale).astype(np.float32)
+    w = be.project(lw.indexer_proj, attn_norm)
+    scale = float(np.float32(1) / np.sqrt(np.float32(cfg.indexer_head_dim
+                                                      * cfg.n_indexer_head)))
+    return w, w * scale
 
 
 def indexer_scores(q, w, rows) -> np.ndarray:
@@ -47,12 +45,12 @@ def indexer_scores(q, w, rows) -> np.ndarray:
     [n_comp, d] -> [n_comp].
 
     Mirrors ds4.c: indexer_allowed_decode_one (l. 6943)"""
-    rows = np.asarray(rows, np.float32)
+    rows = f32(rows)
     if rows.ndim != 2 or rows.shape[1] != q.shape[1]:
         raise IndexerError(
             f"indexer rows must be [n_comp, {q.shape[1]}], got {rows.shape}"
         )
-    return (np.maximum(rows @ q.T, np.float32(0)) @ w).astype(np.float32)
+    return xp_of(rows).maximum(rows @ q.T, 0.0) @ w
 
 
 def indexer_topk(scores, top_k: int) -> np.ndarray:
@@ -80,12 +78,15 @@ def indexer_allowed(
     n_comp = 0 if index_rows is None else len(index_rows)
     if n_comp == 0:
         return None
+    xp = xp_of(index_rows)
     if n_comp <= cfg.indexer_top_k:
-        return np.ones(n_comp, bool)
+        return xp.ones((n_comp,), dtype=xp.bool_)
     q_raw, q_rope, q = indexer_query(cfg, lw, il, qr_norm, pos, be)
     w_raw, w = indexer_weights(cfg, lw, attn_norm, be)
     scores = indexer_scores(q, w, index_rows)
-    selected = indexer_topk(scores, cfg.indexer_top_k)
+    if xp is np and np.isnan(scores).any():
+        raise IndexerError("indexer scores contain NaN")
+    selected = xp.sort(be.topk(scores, cfg.indexer_top_k))
     for n, v in (
         ("idx_q_raw", q_raw),
         ("idx_q_rope", q_rope),
@@ -96,6 +97,6 @@ def indexer_allowed(
         ("idx_selected", selected),
     ):
         trace(n, v)
-    allowed = np.zeros(n_comp, bool)
+    allowed = xp.zeros((n_comp,), dtype=xp.bool_)
     allowed[selected] = True
     return allowed

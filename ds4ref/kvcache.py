@@ -8,6 +8,7 @@ import copy
 
 import numpy as np
 
+from ds4ref.arrays import copy as copy_array, f32, xp_of
 from ds4ref.ops import NEG_INF  # ds4.c's finite -infinity DS4_NEG_INF (l. 50)
 from ds4ref.gguf import DS4RefError
 from ds4ref.quant import f16_round
@@ -25,11 +26,12 @@ class LayerCache:
     Attributes: `raw`, `n_raw`, `cap_raw`; `ratio`, `comp`, `n_comp`, `comp_cap`,
     `attn_state_kv`/`attn_state_score` [coff*ratio, coff*head_dim] (coff = 2 for ratio
     4, else 1); for ratio 4 also `index_comp`, `n_index_comp`,
-    `index_state_kv`/`index_state_score`.
+    `index_state_kv`/`index_state_score`. The arrays are xp's (numpy; a device's for a
+    resident engine, chapter 9).
     Mirrors ds4.c: ds4_layer_cache (l. 6154), kv_cache_init (l. 6333)
     """
 
-    def __init__(self, cfg, il: int, ctx_size: int):
+    def __init__(self, cfg, il: int, ctx_size: int, xp=np):
         if (
             isinstance(ctx_size, bool)
             or not isinstance(ctx_size, (int, np.integer))
@@ -42,7 +44,13 @@ class LayerCache:
         self.head_dim = hd = cfg.head_dim
         self.ratio = r = cfg.compress_ratio(il)
         self.cap_raw = min(cfg.n_swa, self.ctx_size)
-        self.raw = np.zeros((self.cap_raw, hd), np.float32)
+
+        def zeros(shape):
+            return xp.zeros(shape, dtype=xp.float32)
+
+        def empty_scores(shape):          # -1e30: no token has written the row yet
+            return xp.full(shape, float(NEG_INF), dtype=xp.float32)
+        self.raw = zeros((self.cap_raw, hd))
         self.n_raw = 0
         self.comp_cap = self.ctx_size // r + 2 if r else 0
         self.n_comp = 0
@@ -51,23 +59,24 @@ class LayerCache:
         self.index_comp = self.index_state_kv = self.index_state_score = None
         if r:
             coff = 2 if r == 4 else 1
-            self.comp = np.zeros((self.comp_cap, hd), np.float32)
-            self.attn_state_kv = np.zeros((coff * r, coff * hd), np.float32)
-            self.attn_state_score = np.full((coff * r, coff * hd), NEG_INF, np.float32)
+            self.comp = zeros((self.comp_cap, hd))
+            self.attn_state_kv = zeros((coff * r, coff * hd))
+            self.attn_state_score = empty_scores((coff * r, coff * hd))
         if r == 4:
             ihd = cfg.indexer_head_dim
-            self.index_comp = np.zeros((self.comp_cap, ihd), np.float32)
-            self.index_state_kv = np.zeros((2 * r, 2 * ihd), np.float32)
-            self.index_state_score = np.full((2 * r, 2 * ihd), NEG_INF, np.float32)
+            self.index_comp = zeros((self.comp_cap, ihd))
+            self.index_state_kv = zeros((2 * r, 2 * ihd))
+            self.index_state_score = empty_scores((2 * r, 2 * ihd))
 
-    def _row(self, row, width: int, what: str) -> np.ndarray:
-        row = np.asarray(row, np.float32)
+    def _row(self, row, width: int, what: str):
+        row = f32(row)
         if row.shape != (width,):
             raise KVCacheError(
                 f"layer {self.il}: {what} row must have shape ({width},), got "
                 f"{row.shape}"
             )
-        return f16_round(row)
+        xp = xp_of(row)
+        return f16_round(row) if xp is np else row.astype(xp.float16).astype(xp.float32)
 
     def push_raw(self, row) -> None:
         """Append one KV row [head_dim], F16-rounded; once the window is full it slides
@@ -150,13 +159,17 @@ class LayerCache:
             score[start:end] = NEG_INF
 
     def copy(self) -> "LayerCache":
-        """An independent deep copy (a session snapshot)."""
-        return copy.deepcopy(self)
+        """An independent copy (a session snapshot)."""
+        new = copy.copy(self)
+        for k, v in vars(self).items():
+            if hasattr(v, "shape"):
+                setattr(new, k, copy_array(v))
+        return new
 
     @property
     def nbytes(self) -> int:
         """Bytes held by this layer's arrays (rows at full capacity plus states)."""
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        return sum(a.nbytes for a in vars(self).values() if hasattr(a, "shape"))
 
     def __repr__(self) -> str:
         return (
@@ -172,9 +185,9 @@ class KVCache:
 
     Mirrors ds4.c: ds4_kv_cache (l. 6172), kv_cache_init (l. 6333)"""
 
-    def __init__(self, cfg, ctx_size: int):
+    def __init__(self, cfg, ctx_size: int, xp=np):
         self.ctx_size = ctx_size
-        self.layers = [LayerCache(cfg, il, ctx_size) for il in range(cfg.n_layer)]
+        self.layers = [LayerCache(cfg, il, ctx_size, xp) for il in range(cfg.n_layer)]
 
     def __getitem__(self, il: int) -> LayerCache:
         return self.layers[il]
@@ -183,8 +196,21 @@ class KVCache:
         return len(self.layers)
 
     def copy(self) -> "KVCache":
-        """An independent deep copy (a session snapshot)."""
-        return copy.deepcopy(self)
+        """An independent copy (a session snapshot)."""
+        return self.map(copy_array)
+
+    def map(self, fn) -> "KVCache":
+        """A copy whose every array is fn(array): a backend's download makes the host
+        copy of a device cache, its upload the way back."""
+        new = copy.copy(self)
+        new.layers = []
+        for layer in self.layers:
+            c = copy.copy(layer)
+            for k, v in vars(layer).items():
+                if hasattr(v, "shape"):
+                    setattr(c, k, fn(v))
+            new.layers.append(c)
+        return new
 
     @property
     def nbytes(self) -> int:

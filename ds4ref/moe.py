@@ -6,18 +6,21 @@ path computes them."""
 
 import numpy as np
 
+from ds4ref.arrays import f32, xp_of
 from ds4ref.backend import NUMPY
-from ds4ref.hc import hc_mix, hc_post, hc_split_sinkhorn, hc_weighted_sum
+from ds4ref.hc import HyperConnection, hc_weighted_sum
+from ds4ref.ggml_types import GGMLType
 from ds4ref.norms import rms_norm_weight
 # the activations and the routed-expert references sit below the backend (ds4ref.ops)
-from ds4ref.ops import (MoEError, experts_down, experts_gate_up, q8k_rows,  # noqa: F401
-                        routed_experts_down, routed_experts_mid, silu, sum_slots,
-                        swiglu)
+from ds4ref.ops import (MoEError, experts_down, experts_down_batch,  # noqa: F401
+                        experts_gate_up, experts_gate_up_batch, q8k_rows,
+                        silu, sum_slots, swiglu, topk_desc)
 from ds4ref.quant import quantize_q8_0, quantize_q8_K
-from ds4ref.trace import NO_TRACE
+from ds4ref.trace import NO_TRACE, Hooks
+from ds4ref.weights import f32_of
 
 # 2^-14: the floor ds4.c puts under the sum of the 6 weights
-ROUTER_SUM_FLOOR = np.float32(6.103515625e-5)
+ROUTER_SUM_FLOOR = 6.103515625e-5
 
 
 def softplus_stable(x):
@@ -25,25 +28,10 @@ def softplus_stable(x):
     between.
 
     Mirrors ds4.c: softplus_stable (l. 5088)"""
-    x = np.asarray(x, np.float32)
-    with np.errstate(over="ignore"):
-        mid = np.log1p(np.exp(x))
-    return np.where(x > 20, x, np.where(x < -20, np.exp(x), mid)).astype(np.float32)
-
-
-def _per_token(op, x, item_ndim, be):
-    """op applied to each item of x (items have item_ndim dims), stacked back.
-
-    The F16 matvecs (router, HC mix) go one token at a time: numpy's BLAS matmul sums a
-    1-row and a T-row product in different orders, and batch must equal decode bit for
-    bit. They are tiny next to the expert matvecs, which are batch-invariant and run
-    batched; so do these where the backend's F16 matvec is (be.f16_batch_invariant)."""
-    if x.ndim == item_ndim or be.f16_batch_invariant:
-        return op(x)
-    lead = x.shape[:x.ndim - item_ndim]
-    flat = x.reshape((-1,) + x.shape[x.ndim - item_ndim:])
-    out = np.stack([op(v) for v in flat]) if len(flat) else op(flat)
-    return out.reshape(lead + out.shape[1:])
+    x = f32(x)
+    xp = xp_of(x)
+    mid = xp.log1p(xp.exp(xp.minimum(x, 20.0)))   # the branch above 20 never reads it
+    return xp.where(x > 20, x, xp.where(x < -20, xp.exp(x), mid))
 
 
 def _trace_quant(trace, name, act):
@@ -53,12 +41,12 @@ def _trace_quant(trace, name, act):
         trace(f"{name}.{field}", getattr(act, field))
 
 
-def shared_ffn_one(cfg, lw, f, be=NUMPY, trace=NO_TRACE):
+def shared_ffn(cfg, lw, f, be=NUMPY, trace=NO_TRACE):
     """The shared expert on the normed FFN input f [..., n_embd] -> [..., n_embd] (Q8_0
     SwiGLU MLP, clamp 10).
 
-    Mirrors ds4.c: layer_shared_ffn_one (l. 5108)"""
-    f = np.asarray(f, np.float32)
+    Mirrors ds4.c: layer_shared_ffn_one (l. 5108), layer_shared_ffn_batch (l. 5186)"""
+    f = f32(f)
     # one int8 activation for gate and up
     a = be.quantize_q8_0(f)
     _trace_quant(trace, "q8.ffn_gate_shexp", a)
@@ -71,7 +59,7 @@ def shared_ffn_one(cfg, lw, f, be=NUMPY, trace=NO_TRACE):
     trace("shared_mid", mid)
     if trace is not NO_TRACE:
         # what matvec_q8_0 quantizes inside
-        _trace_quant(trace, "q8.ffn_down_shexp", quantize_q8_0(mid))
+        _trace_quant(trace, "q8.ffn_down_shexp", be.quantize_q8_0(mid))
     out = be.project(lw.ffn_down_shexp, mid)               # [..., n_embd]
     trace("shared_out", out)
     return out
@@ -87,10 +75,8 @@ def router_probs(lw, f, be=NUMPY):
         raise MoEError(
             f"layer {getattr(lw, 'il', '?')}: router tensor ffn_gate_inp is missing"
         )
-    logits = _per_token(
-        lambda v: be.project(lw.ffn_gate_inp, v), np.asarray(f, np.float32), 1, be
-    )
-    return logits, np.sqrt(softplus_stable(logits)).astype(np.float32)
+    logits = be.project(lw.ffn_gate_inp, f32(f))
+    return logits, xp_of(logits).sqrt(softplus_stable(logits))
 
 
 def topk_selected_experts(probs, bias=None, k=6):
@@ -107,7 +93,7 @@ def topk_selected_experts(probs, bias=None, k=6):
         raise MoEError("topk_selected_experts: the router scores contain NaN")
     if not 1 <= k <= score.shape[-1]:
         raise MoEError(f"topk_selected_experts: k = {k} outside [1, {score.shape[-1]}]")
-    return np.argsort(-score, axis=-1, kind="stable")[..., :k].astype(np.int32)
+    return topk_desc(score, k)
 
 
 def router_weights(probs, sel, cfg):
@@ -118,26 +104,29 @@ def router_weights(probs, sel, cfg):
     same formula.
     Mirrors ds4.c: layer_topk_selected_experts_from_probs (l. 5329),
     layer_hash_router_weights_from_probs (l. 5265)"""
-    probs = np.asarray(probs, np.float32)
-    sel = np.asarray(sel)
-    if sel.size and (sel.min() < 0 or sel.max() >= probs.shape[-1]):
-        raise MoEError(
-            f"router_weights: expert id outside [0, {probs.shape[-1]}): "
-            f"{sel.min()}..{sel.max()}"
-        )
-    w = np.take_along_axis(probs, sel.astype(np.intp), axis=-1)
-    s = np.zeros(w.shape[:-1], np.float32)
+    probs = f32(probs)
+    xp = xp_of(probs)
+    if xp is np:                     # on a device the ids come from its own router
+        sel = np.asarray(sel)
+        if sel.size and (sel.min() < 0 or sel.max() >= probs.shape[-1]):
+            raise MoEError(
+                f"router_weights: expert id outside [0, {probs.shape[-1]}): "
+                f"{sel.min()}..{sel.max()}"
+            )
+    w = xp.take_along_axis(probs, sel.astype(xp.int32), axis=-1)
+    s = xp.zeros(w.shape[:-1], dtype=xp.float32)
     for i in range(w.shape[-1]):                            # float32, slot order
-        s = (s + w[..., i]).astype(np.float32)
-    s = np.maximum(s, ROUTER_SUM_FLOOR)
-    return (w / s[..., None] * np.float32(cfg.expert_weights_scale)).astype(np.float32)
+        s = s + w[..., i]
+    s = xp.maximum(s, ROUTER_SUM_FLOOR)
+    return w / s[..., None] * cfg.expert_weights_scale
 
 
 def hash_selected_experts(lw, token, cfg):
     """The 6 experts of a hash-routed layer: tid2eid[6*token + i], i = 0..5 (token: int
     or int array [T]).
 
-    Returns int32 [6] (or [T, 6]).
+    Returns int32 [6] (or [T, 6]). lw's ffn_gate_tid2eid is the I32 Tensor (checked
+    here) or a table a backend placed (checked when placed).
     Mirrors ds4.c: layer_hash_selected_experts (l. 5231)"""
     t = lw.ffn_gate_tid2eid
     if t is None:
@@ -145,24 +134,29 @@ def hash_selected_experts(lw, token, cfg):
             f"layer {getattr(lw, 'il', '?')}: hash routing table "
             "ffn_gate_tid2eid is missing"
         )
-    if int(t.ggml_type) != 26 or len(t.shape) != 2 or t.shape[0] != cfg.n_expert_used:
-        raise MoEError(
-            f"tensor {t.name!r}: expected I32 [{cfg.n_expert_used}, n_vocab], "
-            f"got type {int(t.ggml_type)} shape {list(t.shape)}"
-        )
+    name = getattr(t, "name", "ffn_gate_tid2eid")
+    if hasattr(t, "ggml_type"):
+        k = cfg.n_expert_used
+        if int(t.ggml_type) != GGMLType.I32 or len(t.shape) != 2 or t.shape[0] != k:
+            raise MoEError(
+                f"tensor {name!r}: expected I32 [{cfg.n_expert_used}, n_vocab], "
+                f"got type {int(t.ggml_type)} shape {list(t.shape)}"
+            )
+        t = t.numpy()                                     # int32 [n_vocab, 6]
+    if xp_of(t) is not np:      # a device table (checked when its backend placed it)
+        return xp_of(t).take(t, token, axis=0)
     tok = np.asarray(token)
     if not np.issubdtype(tok.dtype, np.integer):
         raise MoEError(f"hash routing: token ids must be integers, got {tok.dtype}")
-    if tok.size and (tok.min() < 0 or tok.max() >= t.shape[1]):
+    if tok.size and (tok.min() < 0 or tok.max() >= len(t)):
         raise MoEError(
-            f"hash routing: token id outside the table [0, {t.shape[1]}): "
+            f"hash routing: token id outside the table [0, {len(t)}): "
             f"{tok.min()}..{tok.max()}"
         )
-    flat = t.numpy().reshape(-1)
-    sel = flat[6 * tok.astype(np.int64)[..., None] + np.arange(cfg.n_expert_used)]
+    sel = t[tok]                                           # [..., 6]
     if sel.size and (sel.min() < 0 or sel.max() >= cfg.n_expert):
         raise MoEError(
-            f"tensor {t.name!r}: expert id outside [0, {cfg.n_expert}) for "
+            f"tensor {name!r}: expert id outside [0, {cfg.n_expert}) for "
             f"token(s) {token}"
         )
     return sel.astype(np.int32)
@@ -182,10 +176,13 @@ def select_experts(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=No
     if lw.ffn_gate_tid2eid is not None:
         sel = hash_selected_experts(lw, token, cfg)
     else:
-        bias = None if lw.ffn_exp_probs_b is None else lw.ffn_exp_probs_b.numpy()
-        if bias is not None:
-            trace("router_biased", (probs + bias).astype(np.float32))
-        sel = topk_selected_experts(probs, bias, cfg.n_expert_used)
+        score = probs
+        if lw.ffn_exp_probs_b is not None:
+            score = probs + f32_of(lw.ffn_exp_probs_b)
+            trace("router_biased", score)
+        if xp_of(score) is np and np.isnan(score).any():
+            raise MoEError("select_experts: the router scores contain NaN")
+        sel = be.topk(score, cfg.n_expert_used)
     if force_experts is not None:
         forced = np.asarray(force_experts)
         if forced.shape != sel.shape or not np.issubdtype(forced.dtype, np.integer):
@@ -193,7 +190,7 @@ def select_experts(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=No
                 f"force_experts: expected integer ids of shape {sel.shape}, got "
                 f"{forced.dtype} {forced.shape}"
             )
-        sel = forced.astype(np.int32)
+        sel = be.upload(forced.astype(np.int32))
     weights = router_weights(probs, sel, cfg)
     trace("exp_ids", sel)
     trace("exp_weights", weights)
@@ -208,158 +205,79 @@ def _expert_tensors(lw):
     return lw.ffn_gate_exps, lw.ffn_up_exps, lw.ffn_down_exps
 
 
-def routed_moe_one(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=None):
-    """The routed experts for one token: f [n_embd] (ffn-normed) -> moe_out [n_embd].
+def routed_moe(cfg, lw, f, tokens, be=NUMPY, trace=NO_TRACE, force_experts=None):
+    """The routed experts of T tokens: f [T, n_embd] (ffn-normed), tokens [T] -> moe_out
+    [T, n_embd].
 
     Q8_K(f) -> 6 x (IQ2_XXS gate/up, clamped SwiGLU * route weight, Q8_K, Q2_K down) ->
-    sum in slot order, as two backend calls, be.routed_experts_mid and
-    be.routed_experts_down. A trace also gets the per-expert exp_gate, exp_up and
-    exp_down, computed next to them (the result does not change).
-    Mirrors ds4.c: layer_routed_moe_one (l. 5361) /
-    layer_routed_moe_one_prealloc (l. 5459)"""
-    f = np.asarray(f, np.float32)
-    if f.shape != (cfg.n_embd,):
-        raise MoEError(f"routed_moe_one: f must be [{cfg.n_embd}], got {list(f.shape)}")
+    sum in slot order, as one backend call, be.routed_experts (one token: the fused
+    kernels; more: each active expert once on all its tokens). A trace also gets the
+    per-expert exp_gate, exp_up, exp_mid and exp_down, computed next to it by
+    chapter 3's per-expert kernels (the result does not change).
+    Mirrors ds4.c: layer_routed_moe_one (l. 5361), layer_routed_moe_batch (l. 5509)"""
+    f = f32(f)
+    if f.ndim != 2 or f.shape[1] != cfg.n_embd:
+        raise MoEError(f"routed_moe: f must be [T, {cfg.n_embd}], got {list(f.shape)}")
     gate_w, up_w, down_w = _expert_tensors(lw)
-    xq = be.quantize_q8_K(f)
+    xq = be.quantize_q8_K(f)                                   # [T, n_embd] int8 rows
     _trace_quant(trace, "q8k.ffn_gate_up_exps", xq)
-    sel, weights = select_experts(cfg, lw, f, token, be, trace, force_experts)
-
-    # [6, n_ff]
-    mid = be.routed_experts_mid(gate_w, up_w, sel, weights, xq, cfg.swiglu_clamp)
-    midq = be.quantize_q8_K(mid)  # one Q8_K row per slot
-    moe = be.routed_experts_down(down_w, sel, midq)  # [n_embd]
+    sel, weights = select_experts(cfg, lw, f, tokens, be, trace, force_experts)
+    moe = be.routed_experts(gate_w, up_w, down_w, sel, weights, xq, cfg.swiglu_clamp)
 
     if trace is not NO_TRACE:  # the per-expert vectors, for the record only
-        gate, up = experts_gate_up(gate_w, up_w, sel, xq, be.expert_pair(gate_w))
+        gate, up, mid, midq, down = be.routed_experts_record(
+            gate_w, up_w, down_w, sel, weights, xq, cfg.swiglu_clamp)
         trace("exp_gate", gate)
         trace("exp_up", up)
         trace("exp_mid", mid)
         _trace_quant(trace, "q8k.ffn_down_exps", midq)
-        trace("exp_down", experts_down(down_w, sel, midq, be.expert_matvec(down_w)))
+        trace("exp_down", down)
         trace("moe_out", moe)
     return moe
 
 
-def _hc_ffn_pre(cfg, lw, X, be, trace):
-    """hc_pre with the FFN's HC weights, built from chapter 4's pieces so that mix and
-    split can be traced."""
-    mix = _per_token(lambda v: hc_mix(v, lw.hc_ffn_fn, cfg, be), X, 2, be)  # [.., 24]
-    pre, post, comb = hc_split_sinkhorn(
-        mix,
-        lw.hc_ffn_scale.numpy(),
-        lw.hc_ffn_base.numpy(),
-        cfg.n_hc,
-        cfg.hc_sinkhorn_iter,
-    )
-    x = hc_weighted_sum(X, pre)                                         # [..., n_embd]
-    trace("ffn_hc_mix", mix)
-    if trace is not NO_TRACE:
-        trace(
-            "ffn_hc_split",
-            np.concatenate([pre, post, comb.reshape(*comb.shape[:-2], -1)], axis=-1),
-        )
-    trace("ffn_x", x)
-    trace("ffn_post", post)
-    trace("ffn_comb", comb)
-    return x, post, comb
+class MoE:
+    """The FFN sub-layer of one layer on backend `be`, for T tokens at positions
+    pos0.. (decode: T = 1): HC pre, RMSNorm(ffn_norm), the routed experts and the shared
+    expert, [steering, chapter 11,] HC post. `hooks` (chapter 6) hold the trace, the
+    decisions to replay and the steering.
+    Mirrors ds4.c: layer_ffn_one (l. 5659), layer_ffn_batch (l. 5838)"""
 
+    def __init__(self, cfg, lw, be=NUMPY, hooks=None):
+        self.cfg, self.be, self.il = cfg, be, lw.il
+        self.w = be.place_layer(lw)             # the layer's weights as be keeps them
+        self.hc = HyperConnection(cfg, self.w.hc_ffn_fn, self.w.hc_ffn_scale,
+                                  self.w.hc_ffn_base, be)
+        self.hooks = Hooks() if hooks is None else hooks
 
-def layer_ffn_one(
-    cfg, lw, X, token, be=NUMPY, trace=NO_TRACE, force_experts=None, steer=None
-):
-    """The FFN sub-layer for one token: HC state X [n_hc, n_embd] -> X' [n_hc, n_embd].
-
-    hc_pre -> RMSNorm(ffn_norm) -> routed experts + shared expert [-> steer, chapter 11]
-    -> hc_post.
-    Mirrors ds4.c: layer_ffn_one (l. 5659) / layer_ffn_one_decode_scratch (l. 5764)"""
-    X = np.asarray(X, np.float32)
-    if X.shape != (cfg.n_hc, cfg.n_embd):
-        raise MoEError(
-            f"layer_ffn_one: X must be [{cfg.n_hc}, {cfg.n_embd}], got {list(X.shape)}"
-        )
-    x, post, comb = _hc_ffn_pre(cfg, lw, X, be, trace)
-    f = rms_norm_weight(x, lw.ffn_norm.numpy(), cfg.rms_eps)
-    trace("ffn_norm", f)
-    moe = routed_moe_one(cfg, lw, f, token, be, trace, force_experts)
-    shared = shared_ffn_one(cfg, lw, f, be, trace)
-    y = (moe + shared).astype(np.float32)
-    if steer is not None:  # ds4.c l. 5729 / 5821: directional steering
-        y = steer(y)
-    trace("ffn_out", y)
-    out = hc_post(y, X, post, comb)
-    trace("hc_out", out)
-    return out
-
-
-def routed_moe_batch(cfg, lw, F, tokens, be=NUMPY, trace=NO_TRACE, force_experts=None):
-    """The routed experts for T tokens, grouped by expert: F [T, n_embd] -> moe
-    [T, n_embd].
-
-    Each active expert runs once on all of its (token, slot) pairs; the downs are summed
-    per token in slot order, so every row equals routed_moe_one's bit for bit. Trace
-    values carry a leading [T] axis.
-    Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
-    F = np.asarray(F, np.float32)
-    tokens = np.asarray(tokens)
-    if F.ndim != 2 or F.shape[1] != cfg.n_embd or tokens.shape != (F.shape[0],):
-        raise MoEError(f"routed_moe_batch: F must be [T, {cfg.n_embd}] and tokens [T], "
-                       f"got {list(F.shape)} and {list(tokens.shape)}")
-    gate_w, up_w, down_w = _expert_tensors(lw)
-    xq = be.quantize_q8_K(F)  # [T, n_embd] int8 rows
-    _trace_quant(trace, "q8k.ffn_gate_up_exps", xq)
-    # [T, k]
-    sel, weights = select_experts(cfg, lw, F, tokens, be, trace, force_experts)
-
-    # each active expert once on all its (token, slot) pairs
-    gate, up = be.routed_experts_gate_up_batch(gate_w, up_w, sel, xq)  # [T, k, n_ff]
-    mid = (swiglu(gate, up, cfg.swiglu_clamp) * weights[..., None]).astype(np.float32)
-    midq = be.quantize_q8_K(mid)                                     # [T, k, n_ff]
-    down = be.routed_experts_down_batch(down_w, sel, midq)           # [T, k, n_embd]
-    moe = sum_slots(down)  # per token, slot order
-
-    trace("exp_gate", gate)
-    trace("exp_up", up)
-    trace("exp_mid", mid)
-    _trace_quant(trace, "q8k.ffn_down_exps", midq)
-    trace("exp_down", down)
-    trace("moe_out", moe)
-    return moe
-
-
-def layer_ffn_batch(
-    cfg, lw, Xs, tokens, be=NUMPY, trace=NO_TRACE, force_experts=None, steer=None
-):
-    """The FFN sub-layer for T tokens: Xs [T, n_hc, n_embd] -> [T, n_hc, n_embd], equal
-    to T x layer_ffn_one.
-
-    Norm, shared expert and HC post run batched (HC pre's F16 mix per token); the routed
-    experts are grouped by expert. Trace values carry a leading [T] axis; force_experts
-    is [T, 6].
-    Mirrors ds4.c: layer_ffn_batch (l. 5838) with layer_routed_moe_batch (l. 5509)"""
-    Xs = np.asarray(Xs, np.float32)
-    tokens = np.asarray(tokens)
-    if (
-        Xs.ndim != 3
-        or Xs.shape[1:] != (cfg.n_hc, cfg.n_embd)
-        or tokens.shape != Xs.shape[:1]
-    ):
-        raise MoEError(
-            f"layer_ffn_batch: Xs must be [T, {cfg.n_hc}, {cfg.n_embd}] and tokens "
-            f"[T], got {list(Xs.shape)} and {list(tokens.shape)}"
-        )
-    if Xs.shape[0] == 0:
-        return Xs.copy()
-    # [T, n_embd], [T, n_hc], [T, n_hc, n_hc]
-    x, post, comb = _hc_ffn_pre(cfg, lw, Xs, be, trace)
-    f = rms_norm_weight(x, lw.ffn_norm.numpy(), cfg.rms_eps)
-    trace("ffn_norm", f)
-    moe = routed_moe_batch(cfg, lw, f, tokens, be, trace, force_experts)
-    shared = shared_ffn_one(cfg, lw, f, be, trace)
-    y = (moe + shared).astype(np.float32)
-    if steer is not None:  # ds4.c l. 5883 / 6047: directional steering
-        y = steer(y)
-    trace("ffn_out", y)
-    out = hc_post(y, Xs, post, comb)
-    trace("hc_out", out)
-    return out
+    def __call__(self, X, tokens, pos0: int):
+        """X [T, n_hc, n_embd], the tokens' ids [T] -> [T, n_hc, n_embd]."""
+        cfg, be, w, T = self.cfg, self.be, self.w, len(X)
+        if X.ndim != 3 or X.shape[1:] != (cfg.n_hc, cfg.n_embd) or len(tokens) != T:
+            raise MoEError(f"MoE: X must be [T, {cfg.n_hc}, {cfg.n_embd}] and tokens "
+                           f"[T], got {list(X.shape)} and {len(tokens)} tokens")
+        if T == 0:
+            return X
+        trace = self.hooks.layer(self.il, pos0, T)
+        mix = self.hc.mix(X)                                            # [T, 24]
+        pre, post, comb = self.hc.split(mix)
+        x = hc_weighted_sum(X, pre)                                     # [T, n_embd]
+        trace("ffn_hc_mix", mix)
+        if trace is not NO_TRACE:
+            xp = xp_of(pre)
+            flat = xp.concatenate([pre, post, comb.reshape(T, -1)], axis=-1)
+            trace("ffn_hc_split", flat)
+        for n, v in (("ffn_x", x), ("ffn_post", post), ("ffn_comb", comb)):
+            trace(n, v)
+        f = rms_norm_weight(x, w.ffn_norm, cfg.rms_eps)
+        trace("ffn_norm", f)
+        force = self.hooks.forced("experts", self.il, pos0, T)
+        moe = routed_moe(cfg, w, f, tokens, be, trace, force)
+        y = moe + shared_ffn(cfg, w, f, be, trace)
+        steer = self.hooks.steer(self.il)[1]
+        if steer is not None:  # ds4.c l. 5729 / 5883: directional steering
+            y = steer(y)
+        trace("ffn_out", y)
+        out = HyperConnection.post(y, X, post, comb)
+        trace("hc_out", out)
+        return out

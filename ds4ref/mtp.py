@@ -9,15 +9,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ds4ref.attention_layer import layer_attention_batch, layer_attention_one
 from ds4ref.backend import NUMPY
 from ds4ref.ggml_types import GGMLType
 from ds4ref.gguf import GGUFError, GGUFFile
 from ds4ref.hc import hc_from_plain_embedding
 from ds4ref.kvcache import LayerCache
-from ds4ref.model import (embed_token, forward_token_hc, output_logits,
-                           steering_hooks)
-from ds4ref.moe import layer_ffn_batch, layer_ffn_one
+from ds4ref.model import Block, embed_token, output_logits
 from ds4ref.norms import rms_norm_weight
 from ds4ref.sample import sample_argmax
 from ds4ref.weights import LayerWeights, Tensor, TensorSpec, check_tensor, tensor_specs
@@ -136,50 +133,43 @@ def mtp_output_logits(cfg, w, mtp: MTPWeights, X, be=NUMPY) -> np.ndarray:
 
 
 def mtp_draft_step(cfg, w, mtp: MTPWeights, cache: LayerCache, token: int, pos: int,
-                   prev_hc, be=NUMPY) -> tuple[np.ndarray, np.ndarray]:
+                   prev_hc, be=NUMPY, block=None) -> tuple[np.ndarray, np.ndarray]:
     """One draft: (logits [n_vocab] for position pos + 1, block output [n_hc, n_embd]).
 
-    The block is a full decode layer over the MTP's own raw window `cache`.
+    The block is a full decode layer (chapter 8's Block, placed once by the caller, or
+    here) over the MTP's own raw window `cache`.
     Mirrors ds4.c: metal_graph_eval_mtp_draft_from_hc (l. 12852)"""
+    block = Block(cfg, mtp.block, be) if block is None else block
     X = mtp_input_hc(cfg, w, mtp, token, prev_hc, be)                # [n_hc, n_embd]
-    X = layer_attention_one(cfg, mtp.block, cache, X, pos, be)
-    X = layer_ffn_one(cfg, mtp.block, X, int(token), be)
+    X = block(X[None], be.upload(np.array([token], np.int32)), cache, pos)[0]
     return mtp_output_logits(cfg, w, mtp, X, be), X
 
 
-def forward_rows(cfg, w, cache, tokens, pos0: int, be=NUMPY, steering=None):
-    """Logits [T, n_vocab] and final HC states [T, n_hc, n_embd] of T tokens at pos0...
-
-    One layer-major pass on a live cache (chapter 6/7's batch functions): row t equals
-    forward_token at pos0 + t bit for bit on the numpy backend. The verifier.
+def forward_rows(model, cache, tokens, pos0: int):
+    """Logits [T, n_vocab] and final HC states [T, n_hc, n_embd] of T tokens at pos0..
+    on a live cache: chapter 8's model, one layer-major pass. The verifier.
     Mirrors ds4.c: prefill_layer_major_cpu (l. 7763), started at pos0 instead of 0"""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    x = np.stack([embed_token(w, t) for t in tokens])                   # [T, n_embd]
-    Xs = hc_from_plain_embedding(x, cfg.n_hc)                       # [T, n_hc, n_embd]
-    for il, lw in enumerate(w.layers):
-        s_attn, s_ffn = steering_hooks(steering, il)
-        Xs = layer_attention_batch(cfg, lw, cache.layers[il], Xs, pos0, be,
-                                   steer=s_attn)
-        Xs = layer_ffn_batch(cfg, lw, Xs, tokens, be, steer=s_ffn)
-    return np.stack([output_logits(cfg, w, X, be) for X in Xs]), Xs
+    Xs = model.hidden(tokens, cache, pos0)
+    logits = [model.logits(X, pos0 + t) for t, X in enumerate(Xs)]
+    return np.stack([model.be.download(lg) for lg in logits]), Xs
 
 
 # backends whose batch path is their decode path, bit for bit
 BATCH_IS_DECODE = ("numpy",)
 
 
-def decode_rows(cfg, w, cache, tokens, pos0: int, be=NUMPY, steering=None, stop=None):
-    """forward_rows on forward_token's path, a token at a time: logits [T, n_vocab],
-    final HC states [T, n_hc, n_embd]; stop(i, logits_i) -> True ends it after token i.
+def decode_rows(model, cache, tokens, pos0: int, stop=None):
+    """forward_rows a token at a time: logits [T, n_vocab], final HC states
+    [T, n_hc, n_embd]; stop(i, logits_i) -> True ends it after token i.
 
     The verifier where a backend's batch path differs from its decode path in the last
     ulp (numba's fused SiLU, chapter 9): greedy stays exact, without the batch's speed.
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703), in a loop"""
     logits, states = [], []
     for i, t in enumerate(tokens):
-        X = forward_token_hc(cfg, w, cache, int(t), pos0 + i, be, steering=steering)
-        logits.append(output_logits(cfg, w, X, be))
-        states.append(X)
+        lg, X = forward_rows(model, cache, [int(t)], pos0 + i)
+        logits.append(lg[0])
+        states.append(X[0])
         if stop is not None and stop(i, logits[-1]):
             break
     return np.stack(logits), np.stack(states)
@@ -215,7 +205,10 @@ class MTPState:
     def step(self, cfg, w, mtp, token: int, pos: int, prev_hc, be):
         """mtp_draft_step at pos on this window: (logits [V], output [n_hc, n_embd])."""
         self.keep(pos)
-        logits, X = mtp_draft_step(cfg, w, mtp, self.cache, token, pos, prev_hc, be)
+        if getattr(self, "block", None) is None or self.block.attn.be is not be:
+            self.block = Block(cfg, mtp.block, be)          # placed once per session
+        logits, X = mtp_draft_step(cfg, w, mtp, self.cache, token, pos, prev_hc, be,
+                                   self.block)
         self.rows.append((pos, int(token), self.cache.raw_rows[-1].copy()))
         return logits, X
 
@@ -242,7 +235,9 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
     if e.mtp is None or e.mtp_draft_tokens <= 1:
         s.eval(int(first_token))
         return [int(first_token)]
-    be, w, steer = e.backend, e.weights, e.steering
+    be, w, model = e.backend, e.weights, e.model
+    model.hooks.trace, model.hooks.force = s.trace, s.force
+    model.hooks.steering = e.steering
     out = []
 
     def commit(tokens, logits):
@@ -255,7 +250,7 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
 
     def go():
         P = s.pos
-        logits, hc = rows_of(cfg, w, s._cache, [first_token], P, be, steer)
+        logits, hc = rows_of(model, s._cache, [first_token], P)
         commit([first_token], logits[0])
         if first_token == eos_token or max_tokens == 1:
             return
@@ -278,24 +273,24 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
             if drafts[-1] == eos_token:
                 break
         if len(drafts) == 1 or (len(drafts) == 2 and _top2_margin(mlog) < e.mtp_margin):
-            rows, _ = rows_of(cfg, w, s._cache, drafts[:1], P + 1, be, steer)
+            rows, _ = rows_of(model, s._cache, drafts[:1], P + 1)
             commit(drafts[:1], rows[0])                    # a plain decode of draft 0
             st.keep(P + 2)
             return
         if not exact:  # decode the drafts, stop after the first miss
-            rows, _ = decode_rows(cfg, w, s._cache, drafts, P + 1, be, steer,
+            rows, _ = decode_rows(model, s._cache, drafts, P + 1,
                                   stop=lambda i, lg: i + 1 < len(drafts)
                                   and sample_argmax(lg) != drafts[i + 1])
             n = len(rows)
         else:
             snap = s._cache.copy()
-            rows, _ = forward_rows(cfg, w, s._cache, drafts, P + 1, be, steer)  # [k, V]
+            rows, _ = forward_rows(model, s._cache, drafts, P + 1)        # [k, V]
             n = 1
             while n < len(drafts) and sample_argmax(rows[n - 1]) == drafts[n]:
                 n += 1
             if n < len(drafts):                         # rewind, re-run the kept prefix
                 s._cache = snap
-                rows, _ = forward_rows(cfg, w, s._cache, drafts[:n], P + 1, be, steer)
+                rows, _ = forward_rows(model, s._cache, drafts[:n], P + 1)
         commit(drafts[:n], rows[n - 1])
         st.keep(P + 1 + n)
     s._run(go)

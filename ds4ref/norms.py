@@ -4,35 +4,34 @@
 float32."""
 import numpy as np
 
+from ds4ref.arrays import f32, sum_squares, xp_of
 from ds4ref.weights import f32_of
 
 DS4_RMS_EPS = 1e-6
 
 
-def _rms_scale(x: np.ndarray, eps: float) -> np.ndarray:
+def _rms_scale(x, eps: float):
     """1 / sqrt(mean(x^2) + eps) over the last axis, keepdims: float64 sum of squares,
     float32 after."""
-    ss = np.einsum("...i,...i->...", x, x, dtype=np.float64)
-    mean = (ss / x.shape[-1]).astype(np.float32)
-    return (np.float32(1.0) / np.sqrt(mean + np.float32(eps)))[..., None]
+    mean = (sum_squares(x) / x.shape[-1]).astype(xp_of(x).float32)
+    return (1.0 / xp_of(x).sqrt(mean + eps))[..., None]
 
 
-def rms_norm_no_weight(x, eps: float = DS4_RMS_EPS) -> np.ndarray:
+def rms_norm_no_weight(x, eps: float = DS4_RMS_EPS):
     """x / rms(x) over the last axis: float32 [..., n] -> [..., n]; leading dims are
     batch dims.
 
     Mirrors ds4.c: rms_norm_no_weight (l. 2772)"""
-    x = np.asarray(x, dtype=np.float32)
+    x = f32(x)
     return x * _rms_scale(x, eps)
 
 
-def rms_norm_weight(x, w, eps: float = DS4_RMS_EPS) -> np.ndarray:
+def rms_norm_weight(x, w, eps: float = DS4_RMS_EPS):
     """(x / rms(x)) * w over the last axis: x [..., n], w [n] (array or F32 Tensor) ->
     [..., n].
 
     Mirrors ds4.c: rms_norm_weight (l. 2781)"""
-    x = np.asarray(x, dtype=np.float32)
-    w = f32_of(w)
+    x, w = f32(x), f32_of(w)
     if w.shape != x.shape[-1:]:
         raise ValueError(
             f"rms_norm_weight: weight has shape {w.shape}, expected ({x.shape[-1]},)"
@@ -40,12 +39,12 @@ def rms_norm_weight(x, w, eps: float = DS4_RMS_EPS) -> np.ndarray:
     return (x * _rms_scale(x, eps)) * w
 
 
-def head_rms_norm(x, eps: float = DS4_RMS_EPS) -> np.ndarray:
+def head_rms_norm(x, eps: float = DS4_RMS_EPS):
     """Per-head RMSNorm without weight: x [..., n_head, head_dim], each head normalised
     on its own.
 
     Mirrors ds4.c: head_rms_norm_inplace (l. 2790)"""
-    x = np.asarray(x, dtype=np.float32)
+    x = f32(x)
     if x.ndim < 2:
         raise ValueError(
             f"head_rms_norm: expected [..., n_head, head_dim], got shape {x.shape}"

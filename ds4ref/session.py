@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ds4ref.kvcache import KVCache, kv_cache_bytes
-from ds4ref.model import forward_token, prefill
 from ds4ref.sample import SampleRNG, SamplingError, sample, sample_argmax
 from ds4ref.session_state import (  # noqa: F401
     MAX_CACHE_BYTES,
@@ -57,7 +56,8 @@ class Session:
 
     # -- state -------------------------------------------------------------------------
     def _reset(self) -> None:
-        self._cache = KVCache(self.cfg, self.ctx_size)
+        # the backend's arrays: numpy's on the host, a device's for a resident engine
+        self._cache = KVCache(self.cfg, self.ctx_size, self.engine.backend.xp)
         self._tokens: list[int] = []
         self._logits: np.ndarray | None = None
         self._valid = False
@@ -151,44 +151,32 @@ class Session:
         return self._rebuild(toks, progress)
 
     def _rebuild(self, toks: list[int], progress=None) -> int:
-        e = self.engine
         self._reset()
 
         def go():
-            self._logits = prefill(
-                self.cfg,
-                e.weights,
-                self._cache,
-                toks,
-                e.backend,
-                self.trace,
-                self.force,
-                progress,
-                e.steering,
-            )
+            self._logits = self._forward(toks, 0, progress)
             self._tokens, self._valid = list(toks), True
         self._run(go)
         return len(toks)
 
     def _eval_unchecked(self, token: int) -> None:
-        e = self.engine
-
         def go():
-            pos = self.pos
-            self._logits = forward_token(
-                self.cfg,
-                e.weights,
-                self._cache,
-                token,
-                pos,
-                e.backend,
-                self.trace,
-                self.force,
-                e.steering,
-            )
+            self._logits = self._forward([token], self.pos)
             self._tokens.append(token)
             self._valid = True
         self._run(go)
+
+    def _forward(self, tokens, pos0: int, progress=None) -> np.ndarray:
+        """The engine's model on tokens at pos0.. with this session's trace and
+        decisions: the last logits, on the host (a prompt from 0: ds4.c's prefill)."""
+        model = self.engine.model
+        model.hooks.trace, model.hooks.force = self.trace, self.force
+        model.hooks.steering = self.engine.steering
+        if pos0 == 0:
+            logits = model.prefill(tokens, self._cache, progress)
+        else:
+            logits = model(tokens, self._cache, pos0, progress)
+        return np.asarray(self.engine.backend.download(logits), np.float32)
 
     def eval(self, token: int) -> np.ndarray:
         """Decode one more token at position `pos`; returns the new logits.
@@ -268,7 +256,8 @@ class Session:
             "tokens": np.array(self.tokens, dtype=np.int64),
             "logits": np.zeros(0, np.float32) if self._logits is None else self._logits,
         }
-        for key, value in _flatten(self._cache, "cache").items():
+        host = self._cache.map(self.engine.backend.download)
+        for key, value in _flatten(host, "cache").items():
             arrays[key] = value
         header = {
             "format": "ds4ref-session-1",
@@ -312,7 +301,7 @@ class Session:
         )
         tokens = [int(t) for t in z["tokens"]]
         logits = np.array(z["logits"], dtype=np.float32)
-        self._cache, self._tokens = cache, tokens
+        self._cache, self._tokens = cache.map(self.engine.backend.upload), tokens
         self._logits = logits if logits.size else None
         self._valid = bool(tokens)
 

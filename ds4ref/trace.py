@@ -2,8 +2,11 @@
 
 """The trace protocol (a callable trace(name, value) with ds4.c's op names, NO_TRACE
 when off) and Trace, which captures the values by layer and position (keys as in ds4.c's
-op dumps)."""
+op dumps), and Hooks, which carry a trace, recorded decisions and steering to a
+model's layers."""
 from __future__ import annotations
+
+import numpy as np
 
 
 class NoTrace:
@@ -40,6 +43,39 @@ def token_trace(trace, pos: int):
     def hook(name: str, value) -> None:
         trace(f"P{pos}.{name}", value)
     return hook
+
+
+class Hooks:
+    """What a run observes or changes beside its input, shared by a model's layer
+    objects: `trace` (NO_TRACE: off), `force` (ds4.c's recorded decisions to replay:
+    {"experts": {il: ids[pos, 6]}, "indexer": {il: rows[pos, k]}}, all -1 = none) and
+    `steering` (chapter 11). The layers take these from here, never as arguments.
+    Mirrors ds4.c: the trace flag and the steering arguments of
+    layer_forward_raw_swa_one (l. 7527)"""
+
+    def __init__(self, trace=NO_TRACE, force=None, steering=None):
+        self.trace, self.force, self.steering = trace, force, steering
+
+    def layer(self, il: int, pos0: int, n: int):
+        """The trace of layer il for the n tokens at pos0..: values with a leading [n]
+        axis are filed per position; `P{pos}.name` is one token's value."""
+        batch = getattr(self.trace, "batch", None)
+        return self.trace if batch is None else batch(il, pos0, n)
+
+    def forced(self, kind: str, il: int, pos0: int, n: int):
+        """The recorded decisions ("experts" or "indexer") of layer il for positions
+        pos0..pos0+n-1, or None where nothing (or not all of it) is recorded."""
+        table = (self.force or {}).get(kind, {}).get(il)
+        if table is None or pos0 + n > len(table):
+            return None
+        rows = np.asarray(table)[pos0:pos0 + n]
+        if kind == "experts" and (rows < 0).any():
+            return None
+        return rows
+
+    def steer(self, il: int):
+        """(attention, FFN) row editors of layer il, or (None, None)."""
+        return (None, None) if self.steering is None else self.steering.hooks(il)
 
 
 from collections.abc import Iterable  # noqa: E402 (the module opens in chapter 6)

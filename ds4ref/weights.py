@@ -108,10 +108,14 @@ class Tensor:
 
 def f32_of(w) -> np.ndarray:
     """A small float weight (an F32/F16/BF16 `Tensor` such as a norm or the sinks, or an
-    array) as a C-contiguous float32 array: the one conversion every op uses.
+    array) as a C-contiguous float32 array: the one conversion every op uses. A device
+    array (a backend placed it, chapter 9) is already float32 and stays where it is.
 
     Mirrors ds4.c: tensor_data (l. 1472), for F32 tensors"""
-    w = w.numpy() if hasattr(w, "numpy") else w
+    if isinstance(w, Tensor):
+        w = w.numpy()
+    if type(w).__module__.partition(".")[0] in ("mlx", "cupy") or hasattr(w, "_cp"):
+        return w
     return np.ascontiguousarray(w, dtype=np.float32)
 
 

@@ -33,7 +33,7 @@ from ds4ref.moe import MoEError
 from ds4ref.quant import Q8KAct, quantize_q8_0, quantize_q8_K
 from ds4ref.dev.quantize import quantize
 
-from _helpers import q8, q8k, rel
+from _helpers import attention_of, down_one, mid_one, q8, q8k, rel
 
 TOL = 1e-5                                          # data/oracle/README.md: float ops, relative
 LOOSE = dict(corr=0.98, mean_abs=0.3, max_abs=1.5)  # README "How to compare" 3 (same as test_engine)
@@ -276,10 +276,10 @@ def test_routed_experts_match_ds4c_and_the_per_expert_reference(name, model, ops
             K = f"L{il}.P{p}."
             ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
             a = q8k(ops_A, K + "q8k.ffn_gate_up_exps")
-            mid = nb.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, a, cfg.swiglu_clamp)
+            mid = mid_one(nb, L.ffn_gate_exps, L.ffn_up_exps, ids, wts, a, cfg.swiglu_clamp)
             assert rel(mid, ops_A[K + "exp_mid"]) <= TOL
             assert np.array_equal(quantize_q8_K(mid).qs, ops_A[K + "q8k.ffn_down_exps.qs"])
-            moe = nb.routed_experts_down(L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps"))
+            moe = down_one(nb, L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps"))
             assert rel(moe, ops_A[K + "moe_out"]) <= TOL
             # the same numbers as the reference's per-expert matvecs, summed in slot order
             ref = np.zeros_like(moe)
@@ -312,13 +312,13 @@ def test_numba_fused_expert_kernels_give_the_same_bits_on_either_path(model, ops
             K = f"L{il}.P{p}."
             ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]
             a, ad = q8k(ops_A, K + "q8k.ffn_gate_up_exps"), q8k(ops_A, K + "q8k.ffn_down_exps")
-            fast, plain = both(lambda: nb.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, a))
+            fast, plain = both(lambda: mid_one(nb, L.ffn_gate_exps, L.ffn_up_exps, ids, wts, a))
             assert np.array_equal(fast, plain), (il, p)
-            fast, plain = both(lambda: nb.routed_experts_down(L.ffn_down_exps, ids, ad))
+            fast, plain = both(lambda: down_one(nb, L.ffn_down_exps, ids, ad))
             assert np.array_equal(fast, plain), (il, p)
     odd = Q8KAct(a.qs.copy(), a.d, a.bsums)
     odd.qs.reshape(-1)[7] = -128
-    fast, plain = both(lambda: nb.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, odd))
+    fast, plain = both(lambda: mid_one(nb, L.ffn_gate_exps, L.ffn_up_exps, ids, wts, odd))
     assert np.array_equal(fast, plain)
 
 
@@ -341,14 +341,10 @@ def test_attention_rows_matches_ds4c_and_the_reference(name, model, ops_A):
             K = f"L{il}.P{p}."
             rows, allowed, n_raw = cached_rows(ops_A, K)
             sinks = W.layers[il].attn_sinks
-            heads = nb.attention_rows(ops_A[K + "q_rope"], rows, sinks, allowed, n_raw)
+            heads = attention_of(nb, ops_A[K + "q_rope"], rows, sinks, allowed, n_raw)
             assert rel(heads, ops_A[K + "heads"]) <= TOL
             assert rel(heads, attention_rows(ops_A[K + "q_rope"], rows, sinks, allowed, n_raw)) <= 1e-5
-    q, kv, sinks = np.ones((2, 3, 8), np.float32), np.ones((2, 5, 8), np.float32), np.zeros(3, np.float32)
-    assert "attention_rows" in type(nb).partial                # batched input: declared, and refused when strict
-    with pytest.raises(UnimplementedOpError, match=f"'{name}'.*attention_rows for a batch of tokens"):
-        nb.attention_rows(q, kv, sinks)
-    assert get_backend(name).attention_rows(q, kv, sinks).shape == (2, 3, 8)    # not strict: the reference
+    assert "attention" in type(nb).implements and "attention" not in type(nb).partial   # one token, always own
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -438,9 +434,9 @@ def test_cupy_matvecs_match_ds4c_oracle(cupy_be, model, ops_A):
             assert rel(g, ops_A[K + "exp_gate"]) <= TOL and rel(u, ops_A[K + "exp_up"]) <= TOL
             down = cupy_be.experts_down_q8_K(L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps"))
             assert rel(down, ops_A[K + "exp_down"]) <= TOL
-            mid = cupy_be.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, q8k(ops_A, K + "q8k.ffn_gate_up_exps"))
+            mid = mid_one(cupy_be, L.ffn_gate_exps, L.ffn_up_exps, ids, wts, q8k(ops_A, K + "q8k.ffn_gate_up_exps"))
             assert rel(mid, ops_A[K + "exp_mid"]) <= TOL
-            moe = cupy_be.routed_experts_down(L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps"))
+            moe = down_one(cupy_be, L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps"))
             assert rel(moe, ops_A[K + "moe_out"]) <= TOL
             g1, _ = cupy_be.matvec_iq2_xxs_pair_q8_K(L.ffn_gate_exps.expert(ids[0]), L.ffn_up_exps.expert(ids[0]),
                                                      q8k(ops_A, K + "q8k.ffn_gate_up_exps"))
@@ -462,7 +458,7 @@ def test_cupy_norms_rope_attention_pooling_match_ds4c(cupy_be, model, ops_A):
             assert rel(cupy_be.rope_tail(ops_A[K + "heads"], p, cfg, r, inverse=True), ops_A[K + "heads_unrope"]) <= TOL
             assert rel(cupy_be.rope_tail(ops_A[K + "q_normed"], p, cfg, r), rope_tail(ops_A[K + "q_normed"], p, cfg, r)) <= TOL
             rows, allowed, n_raw = cached_rows(ops_A, K)
-            heads = cupy_be.attention_rows(ops_A[K + "q_rope"], rows, L.attn_sinks, allowed, n_raw)
+            heads = attention_of(cupy_be, ops_A[K + "q_rope"], rows, L.attn_sinks, allowed, n_raw)
             assert rel(heads, ops_A[K + "heads"]) <= TOL
             if K + "comp_state_kv" in ops_A:
                 ratio = cfg.compress_ratio(il)
@@ -484,29 +480,30 @@ def test_cupy_prefill_experts_in_one_launch_per_pass_match_the_composition(cupy_
     sel = np.stack([rng.choice(cfg.n_expert, k, replace=False) for _ in range(T)])
     xq = quantize_q8_K(rng.standard_normal((T, cfg.n_embd)).astype(np.float32))
     midq = quantize_q8_K(rng.standard_normal((T, k, cfg.n_ff_exp)).astype(np.float32))
-    g, u = cupy_be.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
-    rg, ru = NUMPY.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
-    assert rel(g, rg) <= TOL and rel(u, ru) <= TOL
-    down = cupy_be.routed_experts_down_batch(L.ffn_down_exps, sel, midq)
-    assert rel(down, NUMPY.routed_experts_down_batch(L.ffn_down_exps, sel, midq)) <= TOL
+    wts = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
+    mid = cupy_be.experts_mid(L.ffn_gate_exps, L.ffn_up_exps, sel, wts, xq)
+    assert rel(mid, NUMPY.experts_mid(L.ffn_gate_exps, L.ffn_up_exps, sel, wts, xq)) <= TOL
+    down = cupy_be.experts_down(L.ffn_down_exps, sel, midq)
+    assert rel(down, NUMPY.experts_down(L.ffn_down_exps, sel, midq)) <= TOL
     held = cupy_be.resident_bytes()
     launched = dict(getattr(cupy_be.cp, "launched", {}))   # the stand-in counts launches
     cupy_be.MAX_SLOTS = 7                                  # 30 pairs in 5 launches
     try:
-        g7, _ = cupy_be.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
-        down7 = cupy_be.routed_experts_down_batch(L.ffn_down_exps, sel, midq)
+        mid7 = cupy_be.experts_mid(L.ffn_gate_exps, L.ffn_up_exps, sel, wts, xq)
+        down7 = cupy_be.experts_down(L.ffn_down_exps, sel, midq)
     finally:
         del cupy_be.MAX_SLOTS
-    assert np.array_equal(g7, g) and np.array_equal(down7, down)
+    assert np.array_equal(mid7, mid) and np.array_equal(down7, down)
     if launched:
         grew = {n: c - launched.get(n, 0) for n, c in cupy_be.cp.launched.items()}
         assert grew["matvec_iq2_xxs_pair_q8_K"] == grew["matvec_q2_K_q8_K"] == 5
+    pairs = cupy_be.experts_down_q8_K(L.ffn_down_exps, sel[0], Q8KAct(midq.qs[0], midq.d[0], midq.bsums[0]))
     one = cupy_be.matvec_q2_K_q8_K(L.ffn_down_exps.expert(int(sel[0, 0])), Q8KAct(
         midq.qs[0, 0], midq.d[0, 0], midq.bsums[0, 0]))
-    assert rel(one, down[0, 0]) <= TOL
+    assert rel(one, pairs[0]) <= TOL
     assert cupy_be.resident_bytes() == held                # the expert's rows: a view of the 3-D tensor's copy
     with pytest.raises(MoEError):
-        cupy_be.routed_experts_down_batch(L.ffn_down_exps, sel.reshape(-1), midq)
+        cupy_be.experts_down(L.ffn_down_exps, sel.reshape(-1), midq)
 
 
 @pytest.mark.parametrize("where", ["cuda-on-cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -584,18 +581,18 @@ def test_cupy_glue_launches_every_kernel_with_the_signature_of_its_source(fake_c
     g, u = be.matvec_iq2_xxs_pair_q8_K(L.ffn_gate_exps.expert(1), L.ffn_up_exps.expert(1), q8k(ops_A, K + "q8k.ffn_gate_up_exps"))
     assert g.shape == u.shape == (cfg.n_ff_exp,)
     assert be.matvec_q2_K_q8_K(L.ffn_down_exps.expert(2), q8k(ops_A, K + "q8k.ffn_down_exps", 0)).shape == (cfg.n_embd,)
-    assert be.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, ids, wts, q8k(ops_A, K + "q8k.ffn_gate_up_exps")).shape == (6, cfg.n_ff_exp)
-    assert be.routed_experts_down(L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps")).shape == (cfg.n_embd,)
+    assert mid_one(be, L.ffn_gate_exps, L.ffn_up_exps, ids, wts, q8k(ops_A, K + "q8k.ffn_gate_up_exps")).shape == (6, cfg.n_ff_exp)
+    assert down_one(be, L.ffn_down_exps, ids, q8k(ops_A, K + "q8k.ffn_down_exps")).shape == (cfg.n_embd,)
     assert be.rms_norm_rows(ops_A[K + "q_b"]).shape == ops_A[K + "q_b"].shape
     assert be.rms_norm_rows(ops_A[K + "attn_x"], L.attn_norm).shape == (cfg.n_embd,)
     assert be.rope_tail(ops_A[K + "q_normed"], 131, cfg, cfg.compress_ratio(4), inverse=True).shape == (cfg.n_head, cfg.head_dim)
     rows, allowed, n_raw = cached_rows(ops_A, K)
-    assert be.attention_rows(ops_A[K + "q_rope"], rows, L.attn_sinks, allowed, n_raw).shape == (cfg.n_head, cfg.head_dim)
+    assert attention_of(be, ops_A[K + "q_rope"], rows, L.attn_sinks, allowed, n_raw).shape == (cfg.n_head, cfg.head_dim)
     assert be.compressor_pool(ops_A[K + "comp_state_kv"], ops_A[K + "comp_state_score"], cfg.head_dim, 4).shape == (cfg.head_dim,)
     assert set(fake_cupy) == set(KERNEL_NAMES)
     # transposed (Fortran-order) host arrays still reach the kernels C-contiguous
     assert be.matvec_f16(L.ffn_gate_inp, np.asfortranarray(np.ones((3, cfg.n_embd), np.float32))).shape == (3, cfg.n_expert)
-    assert be.attention_rows(np.asfortranarray(ops_A[K + "q_rope"]), np.asfortranarray(rows), L.attn_sinks, allowed,
+    assert attention_of(be, np.asfortranarray(ops_A[K + "q_rope"]), np.asfortranarray(rows), L.attn_sinks, allowed,
                              n_raw).shape == (cfg.n_head, cfg.head_dim)
     assert be.resident_bytes() > 0
     be.release()
@@ -617,20 +614,21 @@ def test_bad_expert_ids_and_attention_shapes_raise_before_any_kernel_runs(name, 
     a = q8k(ops_A, K + "q8k.ffn_gate_up_exps")
     wts = ops_A[K + "exp_weights"]
     for bad in ([0, 1, 2, 3, 4, cfg.n_expert], [-1, 0, 1, 2, 3, 4], []):
-        with pytest.raises(MatvecError, match="expert ids"):
-            be.routed_experts_mid(L.ffn_gate_exps, L.ffn_up_exps, np.array(bad, np.int32), wts[:len(bad)], a)
-        with pytest.raises(MatvecError, match="expert ids"):
-            be.routed_experts_down(L.ffn_down_exps, np.array(bad, np.int32), q8k(ops_A, K + "q8k.ffn_down_exps"))
+        # a backend's own check (MatvecError) or the composition's (MoEError): named, before any kernel
+        with pytest.raises((MatvecError, MoEError), match="expert ids?"):
+            mid_one(be, L.ffn_gate_exps, L.ffn_up_exps, np.array(bad, np.int32), wts[:len(bad)], a)
+        with pytest.raises((MatvecError, MoEError), match="expert ids?"):
+            down_one(be, L.ffn_down_exps, np.array(bad, np.int32), q8k(ops_A, K + "q8k.ffn_down_exps"))
     q, rows = ops_A[K + "q_rope"], ops_A[K + "cache_raw"]
     with pytest.raises(ValueError, match="attention"):
-        be.attention_rows(q, rows[:, :-1], L.attn_sinks)                       # kv rows narrower than the heads
+        attention_of(be, q, rows[:, :-1], L.attn_sinks)                       # kv rows narrower than the heads
     with pytest.raises(ValueError, match="attention"):
-        be.attention_rows(q, rows, np.zeros(cfg.n_head - 1, np.float32))       # one sink short
+        attention_of(be, q, rows, np.zeros(cfg.n_head - 1, np.float32))       # one sink short
 
 
 # a prefill's routed experts in one parallel loop per pass (appendix D.3h; chapter 7's batch ops)
 def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
-    """NumbaBackend.routed_experts_gate_up_batch / _down_batch (one parallel loop per pass, heavy experts by the
+    """NumbaBackend.experts_mid / experts_down on a prefill's tokens (one parallel loop per pass, heavy experts by the
     lanes kernel) against chapter 3's composition over numba's own per-expert matvecs and against numpy's
     reference: the same bits, on the oracle model's experts with a routing where some experts take one pair, some
     a few and one more than IQ2_XXS_LANES_MIN_T; bad expert ids raise as the reference does."""
@@ -648,28 +646,28 @@ def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
     L = W.layers[4]
     xq = quantize_q8_K(rng.standard_normal((T, cfg.n_embd)).astype(np.float32))
     midq = quantize_q8_K(rng.standard_normal((T, k, cfg.n_ff_exp)).astype(np.float32))
+    wts = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
+    g3, u3, d3 = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
     called = []
     real = nbb.run_kernel
     monkeypatch.setattr(nbb, "run_kernel", lambda kern, *a, **kw: (called.append(kern), real(kern, *a, **kw)))
-    fused = nb.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
-    composed = NumpyBackend.routed_experts_gate_up_batch(nb, L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
-    ref = NUMPY.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, sel, xq)
-    for f, c, r in zip(fused, composed, ref):
-        assert f.shape == (T, k, cfg.n_ff_exp) and np.array_equal(f, c) and np.array_equal(f, r)
-    down = nb.routed_experts_down_batch(L.ffn_down_exps, sel, midq)
-    assert down.shape == (T, k, cfg.n_embd)
-    assert np.array_equal(down, NumpyBackend.routed_experts_down_batch(nb, L.ffn_down_exps, sel, midq))
-    assert np.array_equal(down, NUMPY.routed_experts_down_batch(L.ffn_down_exps, sel, midq))
+    mid = nb.experts_mid(g3, u3, sel, wts, xq)
+    assert mid.shape == (T, k, cfg.n_ff_exp)
+    assert np.array_equal(mid, NumpyBackend.experts_mid(nb, g3, u3, sel, wts, xq))   # over numba's pair kernel
+    assert np.array_equal(mid, NUMPY.experts_mid(g3, u3, sel, wts, xq))
+    down = nb.experts_down(d3, sel, midq)
+    assert down.shape == (T, cfg.n_embd)
+    assert np.array_equal(down, NumpyBackend.experts_down(nb, d3, sel, midq))
+    assert np.array_equal(down, NUMPY.experts_down(d3, sel, midq))
     assert called == [k for k in (nbb.EXPERTS_GATE_UP_BATCH, nbb.EXPERTS_DOWN_BATCH) if k is not None]
     bad = sel.copy()
     bad[1, 2] = cfg.n_expert
-    for f in (lambda s: NUMPY.routed_experts_gate_up_batch(L.ffn_gate_exps, L.ffn_up_exps, s, xq),
-              lambda s: NUMPY.routed_experts_down_batch(L.ffn_down_exps, s, midq)):
+    for f in (lambda s: NUMPY.experts_mid(g3, u3, s, wts, xq), lambda s: NUMPY.experts_down(d3, s, midq)):
         with pytest.raises(MoEError, match="expert id outside"):
             f(bad)
     # the fused pass checks the ids itself; without SIMD kernels the composition's reference does
     with pytest.raises((MatvecError, MoEError), match="expert ids? "):
-        nb.routed_experts_down_batch(L.ffn_down_exps, bad, midq)
+        nb.experts_down(d3, bad, midq)
 
 
 def test_expert_pairs_groups_every_pair_once():

@@ -293,15 +293,16 @@ def _deq(t):
 
 def test_forward_rows_equal_forward_token():
     from ds4ref.kvcache import KVCache
-    from ds4ref.model import forward_token
+    from ds4ref.model import Model, forward_token
     from ds4ref.mtp import forward_rows
     eng = micro_engine(3)
     cfg, w = eng.cfg, eng.weights
     a, b = KVCache(cfg, 64), KVCache(cfg, 64)
     toks = [0, 5, 17, 200, 33, 33, 90, 1, 250, 7, 8, 9, 10]
     one = np.stack([forward_token(cfg, w, a, t, p) for p, t in enumerate(toks)])
-    rows = np.concatenate([forward_rows(cfg, w, b, toks[:4], 0)[0], forward_rows(cfg, w, b, toks[4:9], 4)[0],
-                           forward_rows(cfg, w, b, toks[9:], 9)[0]])
+    m = Model(cfg, w)                                   # numpy's, as forward_token
+    rows = np.concatenate([forward_rows(m, b, toks[:4], 0)[0], forward_rows(m, b, toks[4:9], 4)[0],
+                           forward_rows(m, b, toks[9:], 9)[0]])
     assert np.array_equal(one, rows)
 
 
@@ -508,7 +509,7 @@ def test_mtp_stages_against_llama_cpp():
     from ds4ref.attention import attention_rows
     from ds4ref.checks import rel
     from ds4ref.hc import hc_pre
-    from ds4ref.moe import layer_ffn_one
+    from _helpers import ffn_one
     from ds4ref.mtp import mtp_input_hc, mtp_output_logits
     from ds4ref.quant import f16_round
     from ds4ref.kvquant import fp8_kv_quantize_row
@@ -525,7 +526,7 @@ def test_mtp_stages_against_llama_cpp():
     assert rel(attention_rows(q, f16_round(kv)[None], sinks), s["heads"]) < 1e-3
     fp8 = rel(attention_rows(q, f16_round(fp8_kv_quantize_row(kv, cfg.n_rot))[None], sinks), s["heads"])
     assert 5e-3 < fp8 < 1e-1
-    assert rel(layer_ffn_one(cfg, m.block, s["after_attn"], tok), s["hc_out"]) < 2e-3
+    assert rel(ffn_one(cfg, m.block, s["after_attn"], tok), s["hc_out"]) < 2e-3
     assert rel(mtp_output_logits(cfg, w, m, s["hc_out"]), s["logits"]) < 1e-3
 
 

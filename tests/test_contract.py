@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from ds4ref.backend import EXPERT_OPS, NUMPY, PROJECT_OPS, UnimplementedOpError, weight_op
+from ds4ref.backend import NUMPY, QUANT_TYPES, UnimplementedOpError, quant_type, weight_op
 from ds4ref.backends import get_backend
 from ds4ref.config import ModelConfig
 from ds4ref.engine import Engine
@@ -59,7 +59,10 @@ def test_project_dispatches_on_type():
     assert np.array_equal(NUMPY.project(q8w, a), matvec_q8_0_prequant(q8w, a))
     deq = gguf.quants.dequantize(q8w.data, gguf.GGMLQuantizationType.Q8_0).astype(np.float64)
     assert rel(NUMPY.project(q8w, x), deq @ x) < 2e-2            # Q8_0(x): about 1 % per value
-    assert set(PROJECT_OPS.values()) == {"matvec_q8_0", "matvec_f16", "matvec_f32"}
+    # one row per type: the projected types' kernels
+    assert {QUANT_TYPES[t].matvec for t in (F32, 1, Q8_0)} == {"matvec_f32", "matvec_f16",
+                                                                "matvec_q8_0_prequant"}
+    assert quant_type(q8w).activation == "Q8_0" and quant_type(f32).activation == "float"
 
 
 def test_project_refuses_what_it_cannot_run():
@@ -79,11 +82,11 @@ def test_weight_op_covers_every_tensor(q2_model, q4_model):
         ops = {t.name: weight_op(t) for t in w.tensors() if t is not None}
         g.close()
         assert ops["token_embd.weight"] is None and ops["output_norm.weight"] is None
-        assert ops["output.weight"] == "matvec_q8_0" and ops["blk.0.hc_attn_fn.weight"] == "matvec_f16"
+        assert ops["output.weight"] == "project" and ops["blk.0.hc_attn_fn.weight"] == "project"
         assert ops["blk.2.attn_compressor_ape.weight"] is None and ops["blk.0.ffn_gate_tid2eid.weight"] is None
-        assert ops["blk.1.ffn_gate_exps.weight"] == "routed_experts_mid"
-        assert ops["blk.1.ffn_down_exps.weight"] == "routed_experts_down"
-        assert EXPERT_OPS[int(w.layers[1].ffn_gate_exps.ggml_type)] == gate
+        assert ops["blk.1.ffn_gate_exps.weight"] == "experts_mid"
+        assert ops["blk.1.ffn_down_exps.weight"] == "experts_down"
+        assert quant_type(w.layers[1].ffn_gate_exps).matvec == gate
 
 
 def test_q4_K_experts_against_gguf_dequantization(q4_model):
@@ -94,7 +97,9 @@ def test_q4_K_experts_against_gguf_dequantization(q4_model):
     ids, weights = np.array([5, 0, 7, 2, 3, 1]), rng.uniform(0.1, 1, 6).astype(np.float32)
     a = quantize_q8_K(x)
     xa = (a.qs.reshape(-1, 256) * a.d.reshape(-1, 1)).reshape(-1).astype(np.float64)  # Q8_K(x) in float
-    mid = NUMPY.routed_experts_mid(lw.ffn_gate_exps, lw.ffn_up_exps, ids, weights, a, cfg.swiglu_clamp)
+    a1 = type(a)(*(f[None] for f in a))                                                 # one token
+    mid = NUMPY.experts_mid(lw.ffn_gate_exps, lw.ffn_up_exps, ids[None], weights[None], a1,
+                            cfg.swiglu_clamp)[0]
     Q4 = gguf.GGMLQuantizationType.Q4_K
     for s, e in enumerate(ids):
         gd = gguf.quants.dequantize(lw.ffn_gate_exps.expert(int(e)).data, Q4).astype(np.float64)
@@ -103,7 +108,7 @@ def test_q4_K_experts_against_gguf_dequantization(q4_model):
         want = gt / (1 + np.exp(-gt)) * ut * weights[s]
         assert rel(mid[s], want) < 1e-5
     midq = quantize_q8_K(mid)
-    down = NUMPY.routed_experts_down(lw.ffn_down_exps, ids, midq)
+    down = NUMPY.experts_down(lw.ffn_down_exps, ids[None], type(midq)(*(f[None] for f in midq)))[0]
     want = np.zeros(cfg.n_embd)
     for s, e in enumerate(ids):
         dd = gguf.quants.dequantize(lw.ffn_down_exps.expert(int(e)).data, Q4).astype(np.float64)
@@ -127,12 +132,13 @@ def test_q4_K_model_runs_and_numba_falls_back(q4_model):
     rng = np.random.default_rng(4)
     a = quantize_q8_K(rng.standard_normal(cfg.n_embd).astype(np.float32))
     ids, weights = np.array([5, 0, 7, 2, 3, 1]), rng.uniform(0.1, 1, 6).astype(np.float32)
-    args = (lw.ffn_gate_exps, lw.ffn_up_exps, ids, weights, a, cfg.swiglu_clamp)
-    mid = nb.routed_experts_mid(*args)
-    assert np.array_equal(mid, NUMPY.routed_experts_mid(*args))
+    a1 = type(a)(*(f[None] for f in a))                                # one token
+    args = (lw.ffn_gate_exps, lw.ffn_up_exps, ids[None], weights[None], a1, cfg.swiglu_clamp)
+    mid = nb.experts_mid(*args)
+    assert np.array_equal(mid, NUMPY.experts_mid(*args))
     midq = quantize_q8_K(mid)
-    assert np.array_equal(nb.routed_experts_down(lw.ffn_down_exps, ids, midq),
-                          NUMPY.routed_experts_down(lw.ffn_down_exps, ids, midq))
+    assert np.array_equal(nb.experts_down(lw.ffn_down_exps, ids[None], midq),
+                          NUMPY.experts_down(lw.ffn_down_exps, ids[None], midq))
     g.close()
     prompt = [1, 17, 42, 99, 7]
     runs, force = {}, None
@@ -155,7 +161,7 @@ def test_q4_K_model_runs_and_numba_falls_back(q4_model):
 def test_strict_backend_refuses_at_open(q2_model, q4_model):
     strict = get_backend("numba", strict=True)
     with pytest.raises(UnimplementedOpError,
-                       match=r"routed_experts_mid for tensor 'blk.0.ffn_gate_exps.weight' \(Q4_K\)"):
+                       match=r"experts_mid for tensor 'blk.0.ffn_gate_exps.weight' \(Q4_K\)"):
         Engine.open(q4_model, strict)
     eng = Engine.open(q2_model, strict)               # the q2 type mix runs in numba's own kernels
     assert eng.backend.is_strict
@@ -165,5 +171,5 @@ def test_strict_backend_refuses_at_open(q2_model, q4_model):
 def test_resident_mlx_refuses_q4_K_experts(q4_model):
     pytest.importorskip("mlx.core")
     from ds4ref.backends.mlx_backend import MlxBackend
-    with pytest.raises(UnimplementedOpError, match=r"'mlx' \(strict\): routed_experts_mid .*Q4_K"):
+    with pytest.raises(UnimplementedOpError, match=r"'mlx' \(strict\): experts_mid .*Q4_K"):
         Engine.open(q4_model, MlxBackend(device="cpu"), resident=True, ctx_size=32)

@@ -514,13 +514,12 @@ def test_bad_input_raises_named_errors_and_session_stays_usable(engine):
 
 
 def test_failed_forward_invalidates_checkpoint(engine, monkeypatch):
-    import ds4ref.session as E
     s = engine.session(64)
     s.sync(PROMPT[:4])
 
     def boom(*a, **k):
         raise RuntimeError("simulated failure inside the forward pass")
-    monkeypatch.setattr(E, "forward_token", boom)
+    monkeypatch.setattr(engine.model, "hidden", boom)
     with pytest.raises(RuntimeError):
         s.eval(5)
     monkeypatch.undo()

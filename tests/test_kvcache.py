@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ds4ref.attention import attention_scores
-from ds4ref.attention_layer import attention_mixed, layer_attention_batch, layer_attention_one
+from ds4ref.attention_layer import attention_mixed
 from ds4ref.compressor import (CompressorError, CompressorLane, compressor_advance_state, compressor_decode_one, compressor_norm,
                                compressor_pool, compressor_project, compressor_update_state, compressor_window)
 from ds4ref.config import ModelConfig
@@ -16,7 +16,7 @@ from ds4ref.quant import f16_round
 from ds4ref.kvquant import fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.rope import rope_tail
 
-from _helpers import rel
+from _helpers import attention_batch, attention_one, rel
 
 LANES = {"comp": "attn_compressor", "icomp": "indexer_compressor"}
 
@@ -350,7 +350,7 @@ def test_layer_attention_one_chained_from_ds4c_state(model, ops, positions):
         for p in positions[1:]:
             k, rec = f"L{il}.P{p}.", {}
             cache = seeded_cache(cfg, ops, il, p)
-            layer_attention_one(cfg, w.layers[il], cache, ops[k + "hc_in"], p, trace=lambda n, v: rec.__setitem__(n, v))
+            attention_one(cfg, w.layers[il], cache, ops[k + "hc_in"], p, trace=lambda n, v: rec.__setitem__(n, v))
             assert set(rec) <= {n[len(k):] for n in ops if n.startswith(k)}, set(rec) - set(ops)
             for n, v in rec.items():
                 if n in ("idx_selected", "comp_allowed"):
@@ -381,10 +381,10 @@ def test_decode_and_prefill_agree_bit_for_bit(model):
     rng = np.random.default_rng(6)
     Xs = rng.standard_normal((80, cfg.n_hc, cfg.n_embd)).astype(np.float32)
     c1, c2, sel1, sel2 = LayerCache(cfg, 2, 1024), LayerCache(cfg, 2, 1024), {}, {}
-    Y1 = np.stack([layer_attention_one(cfg, w.layers[2], c1, Xs[t], t,
+    Y1 = np.stack([attention_one(cfg, w.layers[2], c1, Xs[t], t,
                                        trace=lambda n, v, t=t: sel1.__setitem__(t, v) if n == "idx_selected" else None)
                    for t in range(80)])
-    Y2 = layer_attention_batch(cfg, w.layers[2], c2, Xs, 0,
+    Y2 = attention_batch(cfg, w.layers[2], c2, Xs, 0,
                                trace=lambda n, v: sel2.__setitem__(int(n[1:n.index(".")]), v)
                                if n.endswith(".idx_selected") else None)
     np.testing.assert_array_equal(Y1, Y2)
@@ -397,8 +397,8 @@ def test_decode_and_prefill_agree_bit_for_bit(model):
     for t, v in sel1.items():
         force[t] = v
     c3 = LayerCache(cfg, 2, 1024)
-    Y3a = layer_attention_batch(cfg, w.layers[2], c3, Xs[:50], 0, force_indexer=force[:50])
-    Y3b = np.stack([layer_attention_one(cfg, w.layers[2], c3, Xs[t], t, force_indexer=force[t]) for t in range(50, 80)])
+    Y3a = attention_batch(cfg, w.layers[2], c3, Xs[:50], 0, force_indexer=force[:50])
+    Y3b = np.stack([attention_one(cfg, w.layers[2], c3, Xs[t], t, force_indexer=force[t]) for t in range(50, 80)])
     np.testing.assert_array_equal(np.concatenate([Y3a, Y3b]), Y1)
 
 
@@ -408,41 +408,41 @@ def test_dense_and_ratio128_layers_decode_equals_prefill(model):
     Xs = rng.standard_normal((20, cfg.n_hc, cfg.n_embd)).astype(np.float32)
     for il in (0, 3):
         c1, c2 = LayerCache(cfg, il, 64), LayerCache(cfg, il, 64)
-        Y1 = np.stack([layer_attention_one(cfg, w.layers[il], c1, Xs[t], t) for t in range(20)])
-        np.testing.assert_array_equal(layer_attention_batch(cfg, w.layers[il], c2, Xs, 0), Y1)
+        Y1 = np.stack([attention_one(cfg, w.layers[il], c1, Xs[t], t) for t in range(20)])
+        np.testing.assert_array_equal(attention_batch(cfg, w.layers[il], c2, Xs, 0), Y1)
         assert c1.n_raw == 20 and c1.n_comp == 0
 
 
 
 def test_decode_attention_goes_through_the_backend(model, ops):
-    """Every decoded (and prefilled) token's mixed attention is one be.attention_rows call with the cache's rows;
+    """Every decoded (and prefilled) token's mixed attention is one be.attention call with the cache's rows;
     a backend's fused kernel (numba) gives ds4.c's heads and keeps decode == prefill."""
     from ds4ref.backend import NumpyBackend
     from ds4ref.backends import get_backend
     cfg, w = model
 
     class Spy(NumpyBackend):
-        implements = frozenset({"attention_rows"})    # what it overrides (chapter 3's check)
-
         def __init__(self):
             self.calls = []
 
-        def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None):
-            self.calls.append((np.shape(q), len(kv), n_raw, None if allowed is None else int(np.sum(allowed))))
-            return super().attention_rows(q, kv, sinks, allowed, n_raw)
+        def attention(self, q, raw_rows, comp_rows, sinks, allowed=None):
+            self.calls.append((np.shape(q), len(raw_rows) + len(comp_rows), len(raw_rows),
+                               None if allowed is None else int(np.sum(allowed))))
+            return super().attention(q, raw_rows, comp_rows, sinks, allowed)
 
     rng = np.random.default_rng(3)
     Xs = rng.standard_normal((72, cfg.n_hc, cfg.n_embd)).astype(np.float32)
     spy, c1, c2 = Spy(), LayerCache(cfg, 2, 1024), LayerCache(cfg, 2, 1024)
-    Y1 = np.stack([layer_attention_one(cfg, w.layers[2], c1, Xs[t], t) for t in range(72)])
-    Y2 = np.stack([layer_attention_one(cfg, w.layers[2], c2, Xs[t], t, be=spy) for t in range(72)])
+    Y1 = np.stack([attention_one(cfg, w.layers[2], c1, Xs[t], t) for t in range(72)])
+    Y2 = np.stack([attention_one(cfg, w.layers[2], c2, Xs[t], t, be=spy) for t in range(72)])
     np.testing.assert_array_equal(Y1, Y2)
     assert len(spy.calls) == 72 and all(c[0] == (cfg.n_head, cfg.head_dim) for c in spy.calls)
+    assert Spy.implements == {"attention"}                                        # what it overrides
     assert spy.calls[0][1:] == (1, 1, None) and spy.calls[9][1:] == (12, 10, 2)   # 10 raw rows + 2 compressed, both visible
     assert spy.calls[71][1:] == (72 + 18, 72, cfg.indexer_top_k)                 # indexer on: top_k of 18 visible
     first = spy.calls[:5]
     spy.calls.clear()
-    layer_attention_batch(cfg, w.layers[2], LayerCache(cfg, 2, 1024), Xs[:5], 0, be=spy)
+    attention_batch(cfg, w.layers[2], LayerCache(cfg, 2, 1024), Xs[:5], 0, be=spy)
     assert spy.calls == first                                                    # token by token, as decode
     # numba's sink-attention kernel: ds4.c's heads on ops_A, and decode == prefill on the whole sub-layer
     nb = get_backend("numba")
@@ -456,8 +456,8 @@ def test_decode_attention_goes_through_the_backend(model, ops):
             worst = max(worst, rel(heads, ops[k + "heads"]))
     assert worst <= 1e-5, worst
     c3, c4 = LayerCache(cfg, 2, 1024), LayerCache(cfg, 2, 1024)
-    Yn = np.stack([layer_attention_one(cfg, w.layers[2], c3, Xs[t], t, be=nb) for t in range(72)])
-    np.testing.assert_array_equal(layer_attention_batch(cfg, w.layers[2], c4, Xs, 0, be=nb), Yn)
+    Yn = np.stack([attention_one(cfg, w.layers[2], c3, Xs[t], t, be=nb) for t in range(72)])
+    np.testing.assert_array_equal(attention_batch(cfg, w.layers[2], c4, Xs, 0, be=nb), Yn)
     assert rel(Yn, Y1) <= 1e-2, rel(Yn, Y1)      # float-order differences, amplified by F16/E4M3/int8 roundings (3e-3)
 
 
@@ -484,7 +484,7 @@ def test_snapshot_is_independent(model):
     snap = cache.copy()
     X = np.ones((cfg.n_hc, cfg.n_embd), np.float32)
     for t in range(4):
-        layer_attention_one(cfg, w.layers[2], cache[2], X, t)
+        attention_one(cfg, w.layers[2], cache[2], X, t)
     assert (cache[2].n_raw, cache[2].n_comp, cache[2].n_index_comp) == (4, 1, 1)
     assert (snap[2].n_raw, snap[2].n_comp) == (0, 0) and (snap[2].attn_state_score == -1e30).all()
 
@@ -510,10 +510,10 @@ def test_bad_input_raises_named_errors(model):
     X = np.ones((cfg.n_hc, cfg.n_embd), np.float32)
     with pytest.raises(KVCacheError, match="full"):
         for t in range(20):
-            layer_attention_one(cfg, w.layers[2], c, X, t)
+            attention_one(cfg, w.layers[2], c, X, t)
     assert t == 19 and c.n_comp == 4
     with pytest.raises(IndexerError):
-        layer_attention_one(cfg, w.layers[2], LayerCache(cfg, 2, 64), X, 3, force_indexer=[5] + [-1] * 15)
+        attention_one(cfg, w.layers[2], LayerCache(cfg, 2, 64), X, 3, force_indexer=[5] + [-1] * 15)
     with pytest.raises(CompressorError):
         compressor_update_state(np.zeros((8, 4), np.float32), np.zeros((8, 4), np.float32),
                                 np.zeros(3, np.float32), np.zeros(3, np.float32), 0, 4)
@@ -526,15 +526,15 @@ def test_finish_prefill_states_changes_no_output(model):
     Xs = rng.standard_normal((14, cfg.n_hc, cfg.n_embd)).astype(np.float32)
     for il in (2, 3):
         c1, c2 = LayerCache(cfg, il, 256), LayerCache(cfg, il, 256)
-        layer_attention_batch(cfg, w.layers[il], c1, Xs[:10], 0)
-        layer_attention_batch(cfg, w.layers[il], c2, Xs[:10], 0)
+        attention_batch(cfg, w.layers[il], c1, Xs[:10], 0)
+        attention_batch(cfg, w.layers[il], c2, Xs[:10], 0)
         c2.finish_prefill_states(10)
         r = cfg.compress_ratio(il)
         cleared = slice(r + 10 % r, 2 * r) if r == 4 else slice(10 % r, r)
         assert (c2.attn_state_score[cleared] == -1e30).all() and not (c2.attn_state_kv[cleared]).any()
         for t in range(10, 14):
-            np.testing.assert_array_equal(layer_attention_one(cfg, w.layers[il], c1, Xs[t], t),
-                                          layer_attention_one(cfg, w.layers[il], c2, Xs[t], t))
+            np.testing.assert_array_equal(attention_one(cfg, w.layers[il], c1, Xs[t], t),
+                                          attention_one(cfg, w.layers[il], c2, Xs[t], t))
         np.testing.assert_array_equal(c1.comp_rows, c2.comp_rows)
 
 

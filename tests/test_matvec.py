@@ -7,8 +7,8 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from ds4ref.backend import (COMPOSED, EXTRA_OPS, GLUE, NUMPY, OPS, Backend, BackendError, NumpyBackend,
-                            UnimplementedOpError, coverage)
+from ds4ref.backend import (COMPOSED, GLUE, KERNELS, NUMPY, QUANT_TYPES, TYPE_KERNELS, BackendError,
+                            NumpyBackend, UnimplementedOpError, coverage)
 from ds4ref.backends import get_backend
 from ds4ref.backends.numba_backend import NumbaBackend
 from ds4ref.matvec import MatvecError, matvec_f16, matvec_q8_0, matvec_q8_0_prequant
@@ -340,63 +340,53 @@ def test_batched_activations_equal_one_token_at_a_time(model, ops_A):
 def test_backends_share_one_interface():
     assert NUMPY.name == "numpy" and NUMBA.name == "numba"
     assert isinstance(NUMBA, NumbaBackend) and issubclass(NumbaBackend, NumpyBackend)
-    for op in OPS + EXTRA_OPS:
+    for op in KERNELS + GLUE + TYPE_KERNELS:
         assert callable(getattr(NUMPY, op)) and callable(getattr(NUMBA, op))
 
 
 def test_the_contract_names_what_the_model_calls():
-    """OPS is the Protocol's methods, in order; every `be.<op>(` in the package is one of them."""
+    """The kernels are KERNELS and GLUE, and the type kernels are named by QUANT_TYPES' rows: every `be.<name>(`
+    in the model's modules is one of them, a composition of them, or placement; each of KERNELS is called."""
     import re
     from pathlib import Path
     import ds4ref
-    members = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
-    # the contract's second half (chapter 8's resident engines) and the host glue are the members not ops
-    assert members[0] == "device_forward" and "has_device_forward" in Backend.__annotations__
-    assert tuple(members[1:3]) == GLUE and tuple(members[3:]) == OPS and not set(OPS) & set(EXTRA_OPS)
     called = set()
     for path in Path(ds4ref.__file__).parent.glob("*.py"):
-        if path.name not in ("backend.py", "bench.py", "bench_engine.py"):
+        if path.name not in ("backend.py",):
             called |= set(re.findall(r"\bbe\.(\w+)\(", path.read_text()))
-    # layer code names no kernel: it projects (by the weight's type) or asks for the experts' kernels
-    from ds4ref.backend import EXPERT_OPS, PROJECT_OPS
-    # check_weights, strict, device_forward: at open
-    dispatch = {"project", "expert_pair", "expert_matvec", "check_weights", "strict", "device_forward"}
-    assert {"project", "expert_pair", "expert_matvec", "check_weights"} <= called
-    assert set(GLUE) <= called and called - dispatch - set(GLUE) <= set(OPS), called - dispatch - set(OPS)
-    reachable = (called - dispatch - set(GLUE)) | set(PROJECT_OPS.values()) | set(EXPERT_OPS.values()) | {
-        "matvec_q8_0_prequant", "matvec_iq2_xxs_pair_q8_K"}      # project(w, Q8Act); expert_pair on IQ2_XXS
-    assert set(OPS) <= reachable, set(OPS) - reachable
-    assert isinstance(NUMPY, Backend) and isinstance(NUMBA, Backend)
-    assert coverage(NUMPY) == {op: "composed" if op in COMPOSED else "own" for op in OPS + EXTRA_OPS}
+    placement = {"place", "place_layer", "upload", "download", "check_weights", "strict", "device_forward"}
+    composed = {"routed_experts", "routed_experts_record", "expert_pair", "expert_matvec", "matvec_q8_0"}
+    assert set(KERNELS) - {"experts_mid", "experts_down"} <= called          # those two: via routed_experts
+    assert called - placement - composed - set(GLUE) <= set(KERNELS), called - placement - set(KERNELS)
+    assert set(TYPE_KERNELS) == {k for q in QUANT_TYPES.values() for k in (q.matvec, q.pair) if k}
+    assert not set(KERNELS) & set(GLUE) and not set(KERNELS) & set(TYPE_KERNELS)
+    assert coverage(NUMPY) == {op: "own" for op in KERNELS + TYPE_KERNELS}
 
 
 def test_strict_mode_refuses_what_a_backend_does_not_run_itself(model):
     class Half(NumpyBackend):
         name = "half"
-        implements = frozenset({"matvec_f16"})
         matvec_f16 = staticmethod(NUMPY.matvec_f16)
     _, w = model
     lw = w.layers[0]
     x = np.ones(lw.ffn_gate_inp.shape[0], np.float32)
     loose, strict = Half(), Half().strict()
+    assert Half.implements == {"matvec_f16"}                    # what it overrides
     assert np.array_equal(strict.matvec_f16(lw.ffn_gate_inp, x), loose.matvec_f16(lw.ffn_gate_inp, x))
     assert loose.matvec_q8_0(lw.attn_kv, np.ones(256, np.float32)).shape == (256,)   # numpy, silently
     for op, call in [("matvec_q8_0_prequant", lambda b: b.matvec_q8_0_prequant(lw.attn_kv, quantize_q8_0(x[:256]))),
-                     ("matvec_q8_0", lambda b: b.matvec_q8_0(lw.attn_kv, x[:256]))]:   # composed of a missing op
+                     ("project", lambda b: b.project(lw.attn_kv, x[:256]))]:   # composed of it
         with pytest.raises(UnimplementedOpError, match=f"'half' \\(strict\\): {op} "):
             call(strict)
     assert issubclass(UnimplementedOpError, BackendError) and issubclass(UnimplementedOpError, NotImplementedError)
-    assert coverage(Half)["matvec_f16"] == "own" and coverage(Half)["matvec_q8_0"] == "numpy"
+    assert coverage(Half)["matvec_f16"] == "own" and coverage(Half)["project"] == "numpy"
+    assert coverage(NUMBA)["project"] == "composed" and coverage(NUMBA)["attention"] == "own"
 
 
-def test_a_backend_cannot_misdeclare_what_it_implements():
-    with pytest.raises(BackendError, match="implements"):
-        class Liar(NumpyBackend):          # claims an op it does not override
-            implements = frozenset({"matvec_f16"})
-    with pytest.raises(BackendError, match="overrides"):
-        class Shy(NumpyBackend):           # overrides an op it does not declare
-            implements = frozenset()
-            matvec_f16 = staticmethod(NUMPY.matvec_f16)
+def test_a_backend_cannot_declare_a_partial_case_of_what_it_does_not_run():
+    with pytest.raises(BackendError, match="partial names"):
+        class Liar(NumpyBackend):          # hands a case of attention to numpy, but never runs attention
+            partial = {"attention": "a batch"}
 
 
 def test_numba_decode_matvec_allocates_only_its_output():
@@ -488,4 +478,4 @@ def test_numba_glue_gives_chapter_2s_bits_and_errors():
             f(bad)
     with pytest.raises(QuantError, match="not a multiple of 256"):
         NUMBA.quantize_q8_K(x[..., :300])
-    assert NUMBA.quantize_q8_0 is not NUMPY.quantize_q8_0 and "quantize_q8_0" not in OPS
+    assert NUMBA.quantize_q8_0 is not NUMPY.quantize_q8_0 and "quantize_q8_0" in GLUE

@@ -690,7 +690,7 @@ def test_iq2_lanes_follow_the_host_features(monkeypatch):
 
 # the grouped output projection of one token in one loop (appendix D, D.3e; chapter 3's matvec_q8_0_grouped)
 def test_q8_0_grouped_equals_the_composed_reference(monkeypatch):
-    """NumbaBackend.matvec_q8_0_grouped: one token's 8 groups in one parallel loop (where the CPU has a row-lanes
+    """NumbaBackend.project_grouped: one token's 8 groups in one parallel loop (where the CPU has a row-lanes
     kernel), a batch and a rank the kernel cannot take through the composition: numpy's bits, and the grouped
     kernel is the one call for the single token; rows that do not split into the groups raise MatvecError."""
     rng = np.random.default_rng(23)
@@ -699,19 +699,19 @@ def test_q8_0_grouped_equals_the_composed_reference(monkeypatch):
     called = []
     real_run = nm.run_kernel
     monkeypatch.setattr(nm, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
-    for shape in ((G, 32 * nb), (3, G, 32 * nb)):
+    for shape in ((1, G, 32 * nb), (3, G, 32 * nb)):
         x = rng.standard_normal(shape).astype(np.float32)
         called.clear()
-        got, want = NUMBA.matvec_q8_0_grouped(raw, x), NUMPY.matvec_q8_0_grouped(raw, x)
+        got, want = NUMBA.project_grouped(raw, x), NUMPY.project_grouped(raw, x)
         assert got.shape == shape[:-1] + (rank,) and np.array_equal(got, want), shape
-        if len(shape) == 2 and nr.Q8_0_ROWS_GROUPED is not None:
+        if shape[0] == 1 and nr.Q8_0_ROWS_GROUPED is not None:
             assert called == [nr.Q8_0_ROWS_GROUPED[0]]
-    x = rng.standard_normal((G, 32 * nb)).astype(np.float32)
+    x = rng.standard_normal((1, G, 32 * nb)).astype(np.float32)
     odd = q8_0_rows(rng, G * 20, nb)                       # rank 20: not a multiple of 8 or 16
-    assert np.array_equal(NUMBA.matvec_q8_0_grouped(odd, x), NUMPY.matvec_q8_0_grouped(odd, x))
+    assert np.array_equal(NUMBA.project_grouped(odd, x), NUMPY.project_grouped(odd, x))
     from ds4ref.matvec import MatvecError
     with pytest.raises(MatvecError, match="do not split into"):
-        NUMBA.matvec_q8_0_grouped(q8_0_rows(rng, 30, nb), x)
+        NUMBA.project_grouped(q8_0_rows(rng, 30, nb), x)
 
 
 def test_q8_0_grouped_kernels_on_ds4_attention_output(model, ops_A):
@@ -721,7 +721,7 @@ def test_q8_0_grouped_kernels_on_ds4_attention_output(model, ops_A):
     for il in (0, 3):
         for p in [int(p) for p in ops_A["positions"]][:3]:
             heads = ops_A[f"L{il}.P{p}.heads_unrope"].reshape(cfg.n_out_group, -1)
-            low = NUMBA.matvec_q8_0_grouped(w.layers[il].attn_output_a.data, heads)
+            low = NUMBA.project_grouped(w.layers[il].attn_output_a.data, heads[None])
             assert np.array_equal(low.reshape(-1), ops_A[f"L{il}.P{p}.attn_low"].reshape(-1)), (il, p)
 
 

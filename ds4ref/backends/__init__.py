@@ -11,8 +11,8 @@ import sys
 import numpy as np
 
 from ds4ref.backend import (
+    KERNELS,
     NUMPY,
-    OPS,
     BackendError,
     NumpyBackend,
     UnimplementedOpError,

@@ -12,13 +12,12 @@ from ds4ref.quant import IQ2_XXS, Q2_K
 
 # the expert types that the fused routed-expert kernels of numba, MLX and CuPy run (the
 # types of ds4.c's q2 files); others (a q4 file's Q4_K) go to numpy's per-type reference
-FUSED_EXPERT_TYPES = {"routed_experts_mid": (IQ2_XXS,), "routed_experts_down": (Q2_K,)}
-FUSED_EXPERT_CASES = {"routed_experts_mid": "gate/up experts other than IQ2_XXS",
-                      "routed_experts_down": "down experts other than Q2_K"}
-# what numba, MLX and CuPy hand to numpy's reference: a batch of tokens' attention, and
-# the expert types their fused kernels do not run
-FUSED_PARTIAL = {"attention_rows": "a batch of tokens (q [T, n_head, D])",
-                 **FUSED_EXPERT_CASES}
+FUSED_EXPERT_TYPES = {"experts_mid": (IQ2_XXS,), "experts_down": (Q2_K,)}
+FUSED_EXPERT_CASES = {"experts_mid": "gate/up experts other than IQ2_XXS",
+                      "experts_down": "down experts other than Q2_K"}
+# what numba, MLX and CuPy hand to numpy's reference: the expert types their fused
+# kernels do not run
+FUSED_PARTIAL = dict(FUSED_EXPERT_CASES)
 
 
 def unfused_experts(be, op: str, w3):

@@ -34,20 +34,6 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
     results come back per call.
     Mirrors ds4.c: the CUDA graph driver (l. 8082-14249), op by op"""
     name = "cupy"
-    implements = frozenset(
-        {
-            "matvec_q8_0_prequant",
-            "matvec_f16",
-            "matvec_iq2_xxs_pair_q8_K",
-            "matvec_q2_K_q8_K",
-            "attention_rows",
-            "routed_experts_mid",
-            "routed_experts_down",
-            "matvec_iq2_xxs_q8_K",
-            "routed_experts_gate_up_batch",
-            "routed_experts_down_batch",
-        }
-    )
     # not matvec_q4_K_q8_K: a q4 file's Q4_K experts go to numpy's reference
     # (expert_types), and a strict engine refuses such a file at open
     partial = FUSED_PARTIAL
@@ -304,22 +290,17 @@ class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
         y = self.launch_q2_K(self.resident(raw), rows, T, NULL, 0, yq, yd, bs)
         return cp.asnumpy(y).reshape(lead + (rows,))
 
-    def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
-        """Sink attention with K = V of one token, q [n_head, D] over kv [R, D] ->
-        [n_head, D], one block per head; the arguments of
-        ds4ref.attention.attention_rows.
+    def attention(self, q, raw_rows, comp_rows, sinks, allowed=None) -> np.ndarray:
+        """Sink attention with K = V of one token, q [n_head, D] over the raw rows, then
+        the compressed rows (allowed: the indexer's mask over those) -> [n_head, D],
+        one block per head.
         Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
         cp = self.cp
-        q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
-        if q.ndim != 2 or kv.ndim != 2:
-            return self.reference("attention_rows", "a batch of tokens")(
-                q, kv, sinks, allowed, n_raw
-            )
-        n_head, D = q.shape
-        R = kv.shape[0]
+        q = np.asarray(q, np.float32)
+        kv = np.concatenate([raw_rows, comp_rows]).astype(np.float32, copy=False)
         sinks = f32_of(sinks)
         check_attention_args(q, kv, sinks)
-        mask = row_mask(R, allowed, n_raw).astype(np.uint8)
+        mask = row_mask(len(kv), allowed, len(raw_rows)).astype(np.uint8)
         out = self.launch_attention(self.up(q), self.up(kv), self.up(sinks),
                                     self.up(mask))
         return cp.asnumpy(out)

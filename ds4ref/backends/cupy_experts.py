@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds4ref.backend import NumpyBackend
 from ds4ref.backends.common import expert_ids, unfused_experts
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
-from ds4ref.ops import _batch_slots
-from ds4ref.quant import IQ2_XXS, Q2_K, Q8KAct
+from ds4ref.ops import _batch_slots, q8k_rows, sum_slots
+from ds4ref.quant import Q8KAct
 
 
 class CupyExperts:
@@ -65,64 +64,43 @@ class CupyExperts:
                              rows * w_all.shape[1], yq, yd, bs)
         return cp.asnumpy(y)
 
-    def routed_experts_mid(
-        self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0
-    ) -> np.ndarray:
-        """mid [k, n_ff] of the selected experts: one pair launch, then clamp, SiLU and
-        the route weight on the host.
-        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
-        ref = unfused_experts(self, "routed_experts_mid", w_gate3)
+    def experts_mid(self, w_gate3, w_up3, sel, weights, xq, clamp: float = 10.0):
+        """mid [T, k, n_ff]: every (token, slot) pair's gate and up in one launch (one
+        token: its activation shared by the six slots), then clamp, SiLU and the route
+        weight on the host.
+        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917),
+        layer_routed_moe_batch (l. 5509), its gate/up pass"""
+        ref = unfused_experts(self, "experts_mid", w_gate3)
         if ref is not None:
-            return ref(w_gate3, w_up3, ids, weights, a, clamp)
+            return ref(w_gate3, w_up3, sel, weights, xq, clamp)
         from ds4ref.moe import swiglu
-        weights = np.asarray(weights, np.float32).reshape(-1)
-        if weights.size != np.asarray(ids).size:
-            raise ValueError(
-                f"routed experts: {weights.size} route weights for "
-                f"{np.asarray(ids).size} expert ids"
-            )
-        g, u = self.experts_pair_q8_K(w_gate3, w_up3, ids, a)
-        return (swiglu(g, u, clamp) * weights[:, None]).astype(np.float32)
-
-    def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
-        """Sum over slots (float32, slot order) of the six down projections from one
-        launch; float32 [rows].
-        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
-        ref = unfused_experts(self, "routed_experts_down", w_down3)
-        if ref is not None:
-            return ref(w_down3, ids, a)
-        down = self.experts_down_q8_K(w_down3, ids, a)
-        acc = down[0].copy()
-        for s in range(1, len(down)):
-            acc = (acc + down[s]).astype(np.float32)
-        return acc
-
-    # -- a prefill's routed experts: all (token, slot) pairs in one launch per pass ----
-    def routed_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq):
-        """gate, up float32 [T, k, n_ff]: pair p = (t, s) runs expert sel[t, s] on
-        token t's Q8_K row, all pairs in one launch (each token's row repeated per
-        slot); chapter 3's composition where the experts are not IQ2_XXS.
-        Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its gate/up pass"""
-        if int(w_gate3.ggml_type) != IQ2_XXS:
-            return NumpyBackend.routed_experts_gate_up_batch(self, w_gate3, w_up3, sel,
-                                                             xq)
-        sel = _batch_slots(w_gate3, sel)                       # [T, k]
+        # the kernels index weight memory with the ids: checked first, then [T, k]
+        sel = _batch_slots(w_gate3, expert_ids(sel, w_gate3).reshape(np.shape(sel)))
         T, k = sel.shape
-        tok = np.repeat(np.arange(T), k)                       # pair p's token
-        g, u = self.experts_pair_q8_K(w_gate3, w_up3, sel.reshape(-1),
-                                      Q8KAct(xq.qs[tok], xq.d[tok], xq.bsums[tok]))
+        weights = np.asarray(weights, np.float32)
+        if weights.shape != sel.shape:
+            raise ValueError(f"routed experts: route weights {list(weights.shape)} for "
+                             f"expert ids {list(sel.shape)}")
+        if T == 1:
+            g, u = self.experts_pair_q8_K(w_gate3, w_up3, sel[0], q8k_rows(xq, 0))
+        else:
+            tok = np.repeat(np.arange(T), k)                   # pair p's token
+            g, u = self.experts_pair_q8_K(w_gate3, w_up3, sel.reshape(-1),
+                                          Q8KAct(xq.qs[tok], xq.d[tok], xq.bsums[tok]))
         n_ff = int(w_gate3.shape[1])
-        return g.reshape(T, k, n_ff), u.reshape(T, k, n_ff)
+        return (swiglu(g.reshape(T, k, n_ff), u.reshape(T, k, n_ff), clamp)
+                * weights[..., None]).astype(np.float32)
 
-    def routed_experts_down_batch(self, w_down3, sel, midq):
-        """down float32 [T, k, n_embd]: pair (t, s) runs expert sel[t, s] on its own
-        Q8_K row midq[t, s], all pairs in one launch; chapter 3's composition where
-        the experts are not Q2_K.
-        Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its down pass"""
-        if int(w_down3.ggml_type) != Q2_K:
-            return NumpyBackend.routed_experts_down_batch(self, w_down3, sel, midq)
-        sel = _batch_slots(w_down3, sel)
+    def experts_down(self, w_down3, sel, midq) -> np.ndarray:
+        """moe [T, n_embd]: every (token, slot) pair's down projection in one launch,
+        summed over the slots (float32, slot order) on the host.
+        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034),
+        layer_routed_moe_batch (l. 5509), its down pass"""
+        ref = unfused_experts(self, "experts_down", w_down3)
+        if ref is not None:
+            return ref(w_down3, sel, midq)
+        sel = _batch_slots(w_down3, expert_ids(sel, w_down3).reshape(np.shape(sel)))
         T, k = sel.shape
         flat = Q8KAct(*(v.reshape(T * k, -1) for v in (midq.qs, midq.d, midq.bsums)))
         down = self.experts_down_q8_K(w_down3, sel.reshape(-1), flat)
-        return down.reshape(T, k, int(w_down3.shape[1]))
+        return sum_slots(down.reshape(T, k, int(w_down3.shape[1])))

@@ -15,6 +15,7 @@ from ds4ref.backends.common import (
     row_mask,
     unfused_experts,
 )
+from ds4ref.ops import q8k_rows
 from ds4ref.weights import f32_of
 from ds4ref.matvec import MatvecError, row_elements, weight_rows
 from ds4ref.quant import iq2xxs_grid, ksigns_iq2xs
@@ -32,18 +33,6 @@ class MlxBackend(NumpyBackend):
     Mirrors ds4.c: the Metal graph driver (l. 8082-14249) in spirit; the math of the CPU
     path"""
     name = "mlx"
-    implements = frozenset(
-        {
-            "matvec_q8_0_prequant",
-            "matvec_f16",
-            "matvec_iq2_xxs_pair_q8_K",
-            "matvec_q2_K_q8_K",
-            "attention_rows",
-            "routed_experts_mid",
-            "routed_experts_down",
-            "matvec_iq2_xxs_q8_K",
-        }
-    )
     # not matvec_q4_K_q8_K: a q4 file's Q4_K experts go to numpy's reference
     # (expert_types), and a strict engine refuses such a file at open
     partial = FUSED_PARTIAL
@@ -260,15 +249,19 @@ class MlxBackend(NumpyBackend):
             len(parts), rows, row_bytes // block_bytes, block_bytes
         )
 
-    def routed_experts_mid(
-        self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0
-    ) -> np.ndarray:
-        """mid [k, n_ff] = silu(min(g, c)) * clamp(u, +-c) * weights of the selected
-        experts, one MLX graph.
+    def experts_mid(self, w_gate3, w_up3, sel, weights, xq, clamp: float = 10.0):
+        """mid [T, k, n_ff] = silu(min(g, c)) * clamp(u, +-c) * weights, each token's
+        selected experts in one MLX graph.
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
-        ref = unfused_experts(self, "routed_experts_mid", w_gate3)
+        ref = unfused_experts(self, "experts_mid", w_gate3)
         if ref is not None:
-            return ref(w_gate3, w_up3, ids, weights, a, clamp)
+            return ref(w_gate3, w_up3, sel, weights, xq, clamp)
+        weights = np.asarray(weights, np.float32)
+        return np.stack([self._experts_mid_one(w_gate3, w_up3, ids, weights[t],
+                                               q8k_rows(xq, t), clamp)
+                         for t, ids in enumerate(np.asarray(sel))])
+
+    def _experts_mid_one(self, w_gate3, w_up3, ids, weights, a, clamp):
         mx = self.mx
         g_blocks, u_blocks = (
             self._experts(w_gate3, ids, 16, 66),
@@ -287,13 +280,17 @@ class MlxBackend(NumpyBackend):
         mid = g * mx.sigmoid(g) * u * mx.array(np.asarray(weights, np.float32))[:, None]
         return np.array(mid)
 
-    def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
-        """Sum over slots, in slot order, of Q2_K expert ids[s] times Q8_K activation
-        row s; float32 [rows].
+    def experts_down(self, w_down3, sel, midq) -> np.ndarray:
+        """moe [T, n_embd]: per token, the sum over slots, in slot order, of Q2_K expert
+        sel[t, s] times Q8_K row (t, s) of midq.
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
-        ref = unfused_experts(self, "routed_experts_down", w_down3)
+        ref = unfused_experts(self, "experts_down", w_down3)
         if ref is not None:
-            return ref(w_down3, ids, a)
+            return ref(w_down3, sel, midq)
+        return np.stack([self._experts_down_one(w_down3, ids, q8k_rows(midq, t))
+                         for t, ids in enumerate(np.asarray(sel))])
+
+    def _experts_down_one(self, w_down3, ids, a) -> np.ndarray:
         # [k, rows, nb, 84]
         blocks = self._experts(w_down3, ids, 10, 84)
         k, rows, nb = blocks.shape[:3]
@@ -307,18 +304,15 @@ class MlxBackend(NumpyBackend):
             acc = (acc + down[s]).astype(np.float32)
         return acc
 
-    def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
-        """Sink attention with K = V of one token, q [n_head, D] over kv [R, D], in MLX
-        ops; the arguments of ds4ref.attention.attention_rows.
+    def attention(self, q, raw_rows, comp_rows, sinks, allowed=None) -> np.ndarray:
+        """Sink attention with K = V of one token, q [n_head, D] over the raw rows, then
+        the compressed rows (allowed: the indexer's mask over those), in MLX ops.
         Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
         mx = self.mx
-        q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
-        if q.ndim != 2 or kv.ndim != 2:
-            return self.reference("attention_rows", "a batch of tokens")(
-                q, kv, sinks, allowed, n_raw
-            )
+        q = np.asarray(q, np.float32)
+        kv = np.concatenate([raw_rows, comp_rows]).astype(np.float32, copy=False)
         check_attention_args(q, kv, f32_of(sinks))
-        mask = mx.array(row_mask(len(kv), allowed, n_raw))
+        mask = mx.array(row_mask(len(kv), allowed, len(raw_rows)))
         kvm = mx.array(kv)
         # [n_head, R]
         s = (mx.array(q) @ kvm.T) * (1.0 / float(np.sqrt(np.float32(q.shape[1]))))

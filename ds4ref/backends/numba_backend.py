@@ -16,6 +16,7 @@ from ds4ref.backends.common import (
     row_mask,
     unfused_experts,
 )
+from ds4ref.ops import q8k_rows, sum_slots, swiglu
 from ds4ref.weights import f32_of
 from ds4ref.matvec import row_elements, weight_rows
 # chapter 03: the numba matvecs (the reference's signatures), and run_kernel, which
@@ -223,22 +224,6 @@ class NumbaBackend(NumpyBackend):
     experts or heads).
     Mirrors ds4.c: ds4_parallel_for (l. 770): the CPU path's row-parallel workers"""
     name = "numba"
-    implements = frozenset(
-        {
-            "matvec_q8_0_prequant",
-            "matvec_q8_0_grouped",
-            "matvec_f16",
-            "matvec_iq2_xxs_pair_q8_K",
-            "matvec_q2_K_q8_K",
-            "attention_rows",
-            "routed_experts_mid",
-            "routed_experts_down",
-            "matvec_iq2_xxs_q8_K",
-            "matvec_q4_K_q8_K",
-            "routed_experts_gate_up_batch",
-            "routed_experts_down_batch",
-        }
-    )
     partial = FUSED_PARTIAL
     expert_types = FUSED_EXPERT_TYPES
     matvec_q8_0_prequant = staticmethod(numba_matvec_q8_0_prequant)
@@ -254,43 +239,56 @@ class NumbaBackend(NumpyBackend):
     # prefill may run its HC mix and router for all tokens at once (chapters 6, 7)
     f16_batch_invariant = True
 
-    def routed_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq):
-        """A prefill's gate/up pass in one parallel loop (D.3h); where that does not
-        apply, chapter 3's composition over this backend's pair matvec.
-        Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
+    def project_grouped(self, w, x) -> np.ndarray:
+        """One token's groups in one parallel loop (D.3e's grouped kernel); where that
+        does not apply, chapter 3's composition over this backend's matvec_q8_0.
+        Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
+        x = np.asarray(x, np.float32)
+        if x.ndim == 3 and len(x) == 1:
+            out = numba_matvec_q8_0_grouped(w, x[0])
+            if out is not None:
+                return out[None]
+        return NumpyBackend.project_grouped(self, w, x)
+
+    def experts_mid(self, w_gate3, w_up3, sel, weights, xq, clamp: float = 10.0):
+        """mid [T, k, n_ff]: one token's six experts in one parallel kernel (gate, up,
+        clamp, SiLU, route weight); a prefill's pairs in one parallel loop per pass
+        (D.3h), then the SwiGLU in numpy; other expert types: numpy's reference.
+        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917),
+        layer_routed_moe_batch (l. 5509)"""
+        ref = unfused_experts(self, "experts_mid", w_gate3)
+        if ref is not None:
+            return ref(w_gate3, w_up3, sel, weights, xq, clamp)
+        weights = np.asarray(weights, np.float32)
+        if len(sel) == 1:
+            return self._experts_mid_one(w_gate3, w_up3, np.asarray(sel)[0], weights[0],
+                                         q8k_rows(xq, 0), clamp)[None]
         out = numba_experts_gate_up_batch(self, w_gate3, w_up3, sel, xq)
         if out is None:
-            return NumpyBackend.routed_experts_gate_up_batch(self, w_gate3, w_up3, sel,
-                                                             xq)
-        return out
+            return NumpyBackend.experts_mid(self, w_gate3, w_up3, sel, weights, xq,
+                                            clamp)
+        return (swiglu(*out, clamp) * weights[..., None]).astype(np.float32)
 
-    def routed_experts_down_batch(self, w_down3, sel, midq):
-        """A prefill's down pass in one parallel loop (D.3h); where that does not
-        apply, chapter 3's composition over this backend's Q2_K matvec.
-        Mirrors ds4.c: layer_routed_moe_batch (l. 5509)"""
-        out = numba_experts_down_batch(w_down3, sel, midq)
-        if out is None:
-            return NumpyBackend.routed_experts_down_batch(self, w_down3, sel, midq)
-        return out
-
-    def matvec_q8_0_grouped(self, w, x) -> np.ndarray:
-        """All groups of one token in one parallel loop (D.3e's grouped kernel); where
-        that does not apply, chapter 3's composition over this backend's matvec_q8_0.
-        Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
-        out = numba_matvec_q8_0_grouped(w, x)
-        if out is None:
-            return NumpyBackend.matvec_q8_0_grouped(self, w, x)
-        return out
-
-    def routed_experts_mid(
-        self, w_gate3, w_up3, ids, weights, a, clamp: float = 10.0
-    ) -> np.ndarray:
-        """mid [k, n_ff] of the selected experts: IQ2_XXS gate/up on the shared Q8_K
-        activation `a`, clamp, SiLU, times the route weight.
-        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
-        ref = unfused_experts(self, "routed_experts_mid", w_gate3)
+    def experts_down(self, w_down3, sel, midq) -> np.ndarray:
+        """moe [T, n_embd]: one token's six down matvecs in one parallel kernel, summed
+        in slot order; a prefill's pairs in one parallel loop (D.3h), then the sums.
+        Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034),
+        layer_routed_moe_batch (l. 5509)"""
+        ref = unfused_experts(self, "experts_down", w_down3)
         if ref is not None:
-            return ref(w_gate3, w_up3, ids, weights, a, clamp)
+            return ref(w_down3, sel, midq)
+        if len(sel) == 1:
+            return self._experts_down_one(w_down3, np.asarray(sel)[0],
+                                          q8k_rows(midq, 0))[None]
+        down = numba_experts_down_batch(w_down3, sel, midq)
+        if down is None:
+            return NumpyBackend.experts_down(self, w_down3, sel, midq)
+        return sum_slots(down)
+
+    def _experts_mid_one(self, w_gate3, w_up3, ids, weights, a, clamp):
+        """mid [k, n_ff] of one token's experts: IQ2_XXS gate/up on the shared Q8_K
+        activation `a`, clamp, SiLU, times the route weight, in one parallel kernel.
+        Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917)"""
         ids = expert_ids(ids, w_gate3)
         wg, wu = weight_rows(w_gate3, 16), weight_rows(w_up3, 16)
         rows = int(w_gate3.shape[1])
@@ -326,13 +324,10 @@ class NumbaBackend(NumpyBackend):
                        np.float32(clamp), IQ2XXS_GRID, IQ2XXS_SIGNS, F16_TO_F32, mid)
         return mid
 
-    def routed_experts_down(self, w_down3, ids, a) -> np.ndarray:
+    def _experts_down_one(self, w_down3, ids, a) -> np.ndarray:
         """Sum over slots of Q2_K expert ids[s] times Q8_K activation row s (a.qs
-        [k, n]); float32 [rows].
+        [k, n]), in one parallel kernel; float32 [rows].
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034)"""
-        ref = unfused_experts(self, "routed_experts_down", w_down3)
-        if ref is not None:
-            return ref(w_down3, ids, a)
         ids = expert_ids(ids, w_down3)
         wd = weight_rows(w_down3, 10)
         rows = int(w_down3.shape[1])
@@ -375,17 +370,13 @@ class NumbaBackend(NumpyBackend):
         with the program)"""
         return warm_up_kernels(self)
 
-    def attention_rows(self, q, kv, sinks, allowed=None, n_raw=None) -> np.ndarray:
-        """Sink attention with K = V of one token: q [n_head, D] over cached rows kv
-        [R, D] -> heads [n_head, D]; the arguments of ds4ref.attention.attention_rows
-        (allowed masks the rows after the first n_raw). A batch of tokens goes to the
-        reference (declared in `partial`).
+    def attention(self, q, raw_rows, comp_rows, sinks, allowed=None) -> np.ndarray:
+        """Sink attention with K = V of one token: q [n_head, D] over the raw rows, then
+        the compressed rows (allowed: the indexer's mask over those) -> heads
+        [n_head, D], parallel over heads.
         Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
-        q, kv = np.asarray(q, np.float32), np.asarray(kv, np.float32)
-        if q.ndim != 2 or kv.ndim != 2:
-            return self.reference("attention_rows", "a batch of tokens")(
-                q, kv, sinks, allowed, n_raw
-            )
+        q = np.asarray(q, np.float32)
+        kv = np.concatenate([raw_rows, comp_rows]).astype(np.float32, copy=False)
         sinks = f32_of(sinks)
         check_attention_args(q, kv, sinks)
         out = np.empty_like(q)
@@ -394,7 +385,7 @@ class NumbaBackend(NumpyBackend):
             np.ascontiguousarray(q),
             np.ascontiguousarray(kv),
             sinks,
-            row_mask(len(kv), allowed, n_raw),
+            row_mask(len(kv), allowed, len(raw_rows)),
             np.float32(1.0) / np.sqrt(np.float32(q.shape[1])),
             out,
         )

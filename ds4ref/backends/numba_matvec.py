@@ -112,7 +112,7 @@ def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
 
 
 def numba_matvec_q8_0_grouped(w, x) -> np.ndarray | None:
-    """One token's grouped matvec (chapter 3's matvec_q8_0_grouped; x [G, k]) in one
+    """One token's grouped matvec (numpy's project_grouped; x [G, k]) in one
     parallel loop by D.3e's grouped kernel -> [G, rank]; None where that kernel does
     not apply (no kernel, a batch, a rank or row length it cannot take, or a -128 code
     on AVX2), so that the caller composes the groups.

@@ -9,6 +9,7 @@ import numpy as np
 
 from ds4ref.backend import NUMPY
 from ds4ref.kvcache import KVCache
+from ds4ref.model import Model
 from ds4ref.mtp import forward_rows
 
 
@@ -24,11 +25,11 @@ def sequence_nll(cfg, w, tokens, be=NUMPY, chunk: int = 256) -> np.ndarray:
 
     One cache, fed `chunk` tokens at a time by chapter 11's forward_rows."""
     tokens = np.asarray(tokens, np.int64)
-    cache = KVCache(cfg, len(tokens))
+    model, cache = Model(cfg, w, be), KVCache(cfg, len(tokens))
     out = []
     for s in range(0, len(tokens) - 1, chunk):
         piece = tokens[s : min(s + chunk, len(tokens) - 1)]
-        logits, _ = forward_rows(cfg, w, cache, piece, s, be)
+        logits, _ = forward_rows(model, cache, piece, s)
         lp = log_softmax(logits)
         nxt = tokens[s + 1 : s + 1 + len(piece)]
         out.append(-lp[np.arange(len(piece)), nxt])
