@@ -10,6 +10,7 @@ import time
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ds4ref.backends import BACKENDS
     p = argparse.ArgumentParser(
         prog="python -m ds4ref", description="Generate text with the ds4ref engine."
     )
@@ -43,17 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend",
         default="auto",
-        help=(
-            "auto (default: a backend verified on this hardware, said "
-            "on stderr), numpy, numba, mlx or cupy"
-        ),
+        help=("auto (default: a backend verified on this hardware, said on stderr), "
+              "or one of " + ", ".join(BACKENDS)),
     )
     p.add_argument(
         "--resident",
         action="store_true",
         help=(
-            "decode on the backend's device forward (mlx, cupy): weights, cache "
-            "and HC state stay on the device; no MTP or steering"
+            "run the model on the backend's device arrays (mlx, cupy): weights, "
+            "cache and activations stay on the device; no MTP or steering"
         ),
     )
     p.add_argument(

@@ -136,8 +136,8 @@ class Attention:
                 trace("cache_icomp", be.download(cache.index_rows))
             rows = np.concatenate([be.download(cache.raw_rows),
                                    be.download(cache.comp_rows)])
-            trace("attn_scores", attention_scores(be.download(q), rows,
-                                                  be.download(allowed),
+            seen = None if allowed is None else be.download(allowed)
+            trace("attn_scores", attention_scores(be.download(q), rows, seen,
                                                   n_raw=cache.n_raw))
         heads = attention_mixed(q, cache.raw_rows, cache.comp_rows, allowed,
                                 w.attn_sinks, be)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds4ref.arrays import f32
+from ds4ref.arrays import Placed, f32, xp_of
 from ds4ref.weights import Tensor, f32_of
 from ds4ref.matvec import (
     MatvecError,
@@ -142,8 +142,6 @@ class NumpyBackend:
     # {kernel: the expert types a subclass's own experts_mid / _down run} (None: all)
     expert_types = None
     is_strict = False
-    # chapter 8: a whole-token forward on a device (resident=True)
-    has_device_forward = False
     # whether matvec_f16 gives each row of a batch the bits it gives that row alone;
     # numpy's BLAS sums a T-row product in another order, so project runs numpy's F16
     # matvec a token at a time
@@ -177,7 +175,7 @@ class NumpyBackend:
                                "does not implement")
 
     # -- the kernels ------------------------------------------------------------------
-    def project(self, w, x) -> np.ndarray:
+    def project(self, w, x):
         """y = W x [..., rows] by the matvec of W's type (QUANT_TYPES), x quantized to
         the row's activation first (a Q8Act is taken as it is: one quantization for
         several Q8_0 weights).
@@ -191,30 +189,30 @@ class NumpyBackend:
                 f"project: tensor {getattr(w, 'name', '?')!r} has type {q.name} with a "
                 f"{type(x).__name__} input; the model projects Q8_0 (float or Q8Act "
                 "input), F16 and F32 (float input)")
+        x = f32(x)
         if q.activation == "Q8_0":
-            return matvec(w, self.quantize_q8_0(np.asarray(x, np.float32)))
-        if np.ndim(x) > 1 and not self.f16_batch_invariant:
+            return matvec(w, self.quantize_q8_0(x))
+        if x.ndim > 1 and len(x) and not self.f16_batch_invariant:
             # each token alone, so that a batch gives every token the bits decode does
-            x = np.asarray(x, np.float32)
             flat = x.reshape(-1, x.shape[-1])
-            if len(flat):
-                return np.stack([matvec(w, v) for v in flat]).reshape(
-                    x.shape[:-1] + (-1,))
+            ys = [matvec(w, v) for v in flat]
+            return xp_of(ys[0]).stack(ys).reshape(*x.shape[:-1], -1)
         return matvec(w, x)
 
     def project_grouped(self, w, x):
         """Row block g of the Q8_0 weight w [G * rank, k] times x[..., g, :], for the G
         groups of x [..., G, k], each group quantized on its own -> [..., G, rank].
         Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
-        x = np.asarray(x, np.float32)
-        rows = weight_rows(w, Q8_0)
+        x = f32(x)
+        n_rows = w.shape[-1] if isinstance(w, (Tensor, Placed)) else len(w)
         G = x.shape[-2] if x.ndim >= 2 else 0
-        if G == 0 or rows.shape[0] % G:
-            raise MatvecError(f"grouped Q8_0: {rows.shape[0]} rows do not split into "
-                              f"the {G} groups of an input shaped {x.shape}")
-        rank = rows.shape[0] // G
-        return np.stack([self.matvec_q8_0(rows[g * rank : (g + 1) * rank], x[..., g, :])
-                         for g in range(G)], axis=-2)
+        if G == 0 or n_rows % G:
+            raise MatvecError(f"grouped Q8_0: {n_rows} rows do not split into the {G} "
+                              f"groups of an input shaped {tuple(x.shape)}")
+        rank = n_rows // G
+        ys = [self.matvec_q8_0(self.rows_of(w, g * rank, (g + 1) * rank),
+                               x[..., g, :]) for g in range(G)]
+        return xp_of(ys[0]).stack(ys, axis=-2)
 
     def attention(self, q, raw_rows, comp_rows, sinks, allowed=None):
         """One token's sink attention, q [n_head, hd] over the raw rows, then the
@@ -259,6 +257,11 @@ class NumpyBackend:
         """y = W Q8_0(x): quantize x as ds4.c does, then this backend's integer matvec.
         Mirrors ds4.c: matvec_q8_0 (l. 3566)"""
         return self.matvec_q8_0_prequant(w, self.quantize_q8_0(f32(x)))
+
+    def rows_of(self, w, lo: int, hi: int):
+        """Output rows lo..hi of the Q8_0 weight w, as this backend's kernels take
+        it."""
+        return w.rows(lo, hi) if isinstance(w, Placed) else weight_rows(w, Q8_0)[lo:hi]
 
     def routed_experts(self, w_gate3, w_up3, w_down3, sel, weights, xq, clamp):
         """The routed experts of T tokens -> moe [T, n_embd]: experts_mid, its Q8_K
@@ -328,6 +331,16 @@ class NumpyBackend:
         """An array of xp as a host numpy array (numpy: itself)."""
         return a
 
+    def evaluate(self, *arrays) -> None:
+        """Finish the work queued for these arrays: a lazy library (MLX) computes a
+        token here, in one go; numpy has computed everything already."""
+
+    def on_device(self) -> NumpyBackend:
+        """This backend with the model's arrays on its device (chapter 9), for
+        Engine.open(..., resident=True); numpy's arrays are host arrays already."""
+        raise BackendError(f"resident=True: backend {self.name!r} computes on host "
+                           "arrays; the backends with a device are 'mlx' and 'cupy'")
+
     # -- what runs where -------------------------------------------------------------
     def runs_itself(self, op: str) -> bool:
         """Whether this backend runs kernel `op` with its own code: implemented, or
@@ -382,12 +395,6 @@ class NumpyBackend:
                 "by this backend (outside strict mode it runs numpy's reference)"
             )
         return NumpyBackend.__dict__[op].__get__(self, NumpyBackend)
-
-    def device_forward(self, cfg, weights, ctx_size: int):
-        """The whole-token forward on this backend's device (chapter 8's DeviceForward),
-        or None: numpy's arrays already live in host memory.
-        Mirrors ds4.c: nothing (the CPU build has no graph driver)"""
-        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -17,7 +17,6 @@ from ds4ref.session import (  # noqa: F401
     Snapshot,
     TokenRangeError,
 )
-from ds4ref.resident import ResidentSession, check_session_size
 from ds4ref.tokenizer import Tokenizer
 
 
@@ -58,8 +57,8 @@ class Engine:
     steering = None      # a chapter-11 Steering (directional steering), or None
     mtp = None           # a chapter-11 MTPModel (the MTP draft block), or None
     mtp_draft_tokens, mtp_margin = 1, 3.0
-    forward = None       # a DeviceForward (resident=True): sessions decode on it
     model = None         # chapter 8's Model on the backend: sessions run it
+    ctx_size, resident = 1024, False
 
     @classmethod
     def open(
@@ -85,9 +84,9 @@ class Engine:
         attention and after the FFN with scales steering_attn / steering_ffn (None: 1.0
         with a file, as ds4's CLI). Both are chapter 11.
 
-        resident: decode on the backend's device forward (be.device_forward, for
-        sessions of up to ctx_size positions); refuses a backend without one, steering
-        and an MTP file (those need host arrays between ops)."""
+        resident: the model's arrays on the backend's device (be.on_device(): MLX and
+        CuPy); refuses steering and an MTP file, which need host arrays between ops.
+        ctx_size: the positions of a session that names none."""
         from ds4ref.weights import load_model
         bundled = path is None
         if path is None:
@@ -95,8 +94,8 @@ class Engine:
             path = default_model_path()
         be = resolve_backend(backend)
         if resident:
-            _check_resident(be, mtp_path, steering_file)
-            be = be.strict()        # the device forward runs the backend's kernels only
+            _check_resident(mtp_path, steering_file)
+            be = be.on_device().strict()   # on the device, numpy's kernels cannot run
         gguf, cfg, weights = load_model(path)
         be.check_weights(weights)   # strict: refuse now what would run in numpy
         eng = cls(Path(path), gguf, cfg, weights, _tokenizer_of(gguf), be)
@@ -107,11 +106,9 @@ class Engine:
             eng, mtp_path, mtp_draft_tokens, mtp_margin, bundled and not resident)
         if eng.mtp is not None:
             be.check_weights(eng.mtp)
-        if resident:
-            eng.forward = be.device_forward(cfg, weights, ctx_size)
-        else:
-            from ds4ref.model import Model
-            eng.model = Model(cfg, weights, be)   # weights placed once, for sessions
+        from ds4ref.model import Model
+        eng.model = Model(cfg, weights, be)      # weights placed once, for sessions
+        eng.ctx_size, eng.resident = int(ctx_size), resident
         return eng
 
     @property
@@ -123,25 +120,17 @@ class Engine:
     def session(
         self, ctx_size: int | None = None, force_decisions: dict | None = None
     ) -> "Session":
-        """A new empty session with a KV cache for `ctx_size` positions (None: 1024, or
-        a resident engine's whole ctx_size); a resident engine's is a ResidentSession.
+        """A new empty session with a KV cache for `ctx_size` positions (None: the
+        engine's ctx_size, 1024 unless Engine.open set it), in the backend's arrays.
 
         Mirrors ds4.c: ds4_session_create (l. 17309)
         """
-        if self.forward is None:
-            return Session(self, 1024 if ctx_size is None else ctx_size,
-                           force_decisions)
-        ctx_size = self.forward.ctx_size if ctx_size is None else ctx_size
-        check_session_size(self.forward, ctx_size)
-        return ResidentSession(self, ctx_size, force_decisions)
+        return Session(self, self.ctx_size if ctx_size is None else ctx_size,
+                       force_decisions)
 
 
-def _check_resident(be, mtp_path, steering_file) -> None:
-    """Refuse, before loading, a resident engine that could not be one."""
-    if not be.has_device_forward:
-        raise BackendError(
-            f"resident=True: backend {be.name!r} has no device forward (its arrays are "
-            "host arrays already); the resident backends are 'mlx' and 'cupy'")
+def _check_resident(mtp_path, steering_file) -> None:
+    """Refuse, before loading, what a resident engine cannot run."""
     for what, given in (("mtp_path", mtp_path), ("steering_file", steering_file)):
         if given is not None:
             raise BackendError(

@@ -87,8 +87,8 @@ class LayerCache:
         if self.n_raw < self.cap_raw:
             self.raw[self.n_raw] = row
             self.n_raw += 1
-        else:
-            self.raw[:-1] = self.raw[1:]
+        else:                    # a copy first: one kernel may not read what it writes
+            self.raw[:-1] = copy_array(self.raw[1:])
             self.raw[-1] = row
 
     def _push_comp(self, rows: np.ndarray, n: int, row, what: str) -> int:
@@ -211,6 +211,11 @@ class KVCache:
                     setattr(c, k, fn(v))
             new.layers.append(c)
         return new
+
+    def arrays(self) -> list:
+        """Every array of every layer (what a lazy device library must compute)."""
+        return [v for layer in self.layers for v in vars(layer).values()
+                if hasattr(v, "shape")]
 
     @property
     def nbytes(self) -> int:

@@ -132,7 +132,9 @@ class Model:
     def __call__(self, tokens, cache, pos0: int = 0, progress=None):
         """The last token's logits [n_vocab] after tokens at pos0.. (cache updated)."""
         X = self.hidden(tokens, cache, pos0, progress)
-        return self.logits(X[-1], pos0 + len(X) - 1)
+        logits = self.logits(X[-1], pos0 + len(X) - 1)
+        self.be.evaluate(logits, *cache.arrays())     # a lazy device computes it now
+        return logits
 
     def prefill(self, tokens, cache, progress=None):
         """A prompt from position 0 on an empty cache: its last logits.

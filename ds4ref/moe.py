@@ -190,6 +190,9 @@ def select_experts(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=No
                 f"force_experts: expected integer ids of shape {sel.shape}, got "
                 f"{forced.dtype} {forced.shape}"
             )
+        if forced.min() < 0 or forced.max() >= cfg.n_expert:
+            raise MoEError(f"force_experts: expert id outside [0, {cfg.n_expert}): "
+                           f"{forced.min()}..{forced.max()}")
         sel = be.upload(forced.astype(np.int32))
     weights = router_weights(probs, sel, cfg)
     trace("exp_ids", sel)
@@ -245,6 +248,8 @@ class MoE:
 
     def __init__(self, cfg, lw, be=NUMPY, hooks=None):
         self.cfg, self.be, self.il = cfg, be, lw.il
+        if lw.ffn_gate_tid2eid is not None:   # every entry checked once, on the host:
+            hash_selected_experts(lw, np.arange(cfg.n_vocab), cfg)  # a device trusts it
         self.w = be.place_layer(lw)             # the layer's weights as be keeps them
         self.hc = HyperConnection(cfg, self.w.hc_ffn_fn, self.w.hc_ffn_scale,
                                   self.w.hc_ffn_base, be)

@@ -84,6 +84,13 @@ from fnmatch import fnmatch
 import numpy as np
 
 
+def host_array(value) -> np.ndarray:
+    """A copy of value on the host: a device array (CuPy's) through its .get(), anything
+    else (numpy, MLX, numbers) through np.array."""
+    get = getattr(value, "get", None)
+    return get() if callable(get) and hasattr(value, "shape") else np.array(value)
+
+
 class Trace:
     """A dict of captured arrays keyed `L{layer}.P{pos}.{name}` / `P{pos}.{name}`,
     optionally filtered.
@@ -119,7 +126,7 @@ class Trace:
     ) -> None:
         if self.wants(name, layer, pos):
             key = (f"L{layer}." if layer is not None else "") + f"P{pos}.{name}"
-            self.data[key] = np.array(value, copy=True)
+            self.data[key] = host_array(value)
 
     def at(self, layer: int | None, pos: int):
         """The trace a layer function receives for one token: `hook(name, value)`,
@@ -139,7 +146,7 @@ class Trace:
             if dot and head[:1] == "P" and head[1:].isdigit():
                 self.record(rest, value, layer, int(head[1:]))
                 return
-            v = np.asarray(value)
+            v = host_array(value)
             if v.ndim >= 1 and v.shape[0] == n:
                 for t in range(n):
                     self.record(name, v[t], layer, pos0 + t)

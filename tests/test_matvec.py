@@ -354,7 +354,7 @@ def test_the_contract_names_what_the_model_calls():
     for path in Path(ds4ref.__file__).parent.glob("*.py"):
         if path.name not in ("backend.py",):
             called |= set(re.findall(r"\bbe\.(\w+)\(", path.read_text()))
-    placement = {"place", "place_layer", "upload", "download", "check_weights", "strict", "device_forward"}
+    placement = {"place", "place_layer", "upload", "download", "check_weights", "strict", "evaluate", "on_device"}
     composed = {"routed_experts", "routed_experts_record", "expert_pair", "expert_matvec", "matvec_q8_0"}
     assert set(KERNELS) - {"experts_mid", "experts_down"} <= called          # those two: via routed_experts
     assert called - placement - composed - set(GLUE) <= set(KERNELS), called - placement - set(KERNELS)

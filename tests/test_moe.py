@@ -219,7 +219,7 @@ def test_hash_routing_reads_tid2eid_at_6_token_plus_i(model, ops_A, positions, o
 
 # ---------------------------------------------------------------- against a dense float reference
 def test_moe_equals_dense_float_reference_within_quantization_error(model, ops_A, positions):
-    """routed_moe_one vs dequantized experts in float64.
+    """The routed MoE (ds4.c layer_routed_moe_one) vs dequantized experts in float64.
 
     (a) With ds4's int8 activations dequantized (q * d) as the inputs, the float64 reference equals ours
         to float32 noise: the integer kernels compute exactly W x_q.
@@ -415,7 +415,7 @@ def test_routed_experts_mid_and_down_match_ds4c(model, ops_A, positions):
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
 def test_tracing_does_not_change_moe_out(backend, model, ops_A, positions):
-    """routed_moe_one with and without a trace: the same moe_out bit for bit, on the reference and on numba's
+    """The routed MoE with and without a trace: the same moe_out bit for bit, on the reference and on numba's
     fused kernels; the traced exp_down sum to it in slot order and exp_mid is what went into the down."""
     from ds4ref.backends import get_backend
     be = NUMPY if backend == "numpy" else get_backend(backend)

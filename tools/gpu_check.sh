@@ -2,7 +2,7 @@
 # One prepared GPU check for a session that is lent a CUDA machine (see DEVELOPERS.md, "the device").
 # Runs chapter 09's GPU tests (pytest -m gpu: the op-by-op CupyBackend and the resident engine, Engine.open(..., resident=True)) and the CUDA benchmarks; everything it writes lands in $OUT
 # (default: ./gpu_out): gpu_check.log, gpu_tests.log, cuda_bench.json, engine_bench_gpu.json,
-# engine_bench_gpu_wide.json (the resident forward on the wide model: prefill and decode tok/s, and the
+# engine_bench_gpu_wide.json (the resident engine on the wide model: prefill and decode tok/s, and the
 # decode's fraction of the copy bandwidth that cuda_bench.json measured).
 # Budget: the four steps are capped at 200 + 80 + 80 + 200 s, so a run never outlasts a device call of
 # timeout_s 600 (the first NVRTC compiles and writing the 4 GB wide model take most of it).

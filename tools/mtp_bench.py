@@ -80,7 +80,7 @@ def main(argv=None) -> int:
 
         def run():
             s.restore(base)
-            mtp.forward_rows(cfg, w, s._cache, toks, s.pos, be, eng.steering)
+            mtp.forward_rows(eng.model, s._cache, toks, s.pos)
         verify[k] = best_time(run, args.reps) - restore_s
 
     st = mtp.MTPState(cfg, s.ctx_size)

@@ -215,9 +215,7 @@ def available_backends() -> dict[str, str]:
 
 def machine_description() -> dict:
     """What a benchmark result needs to be read later: CPU, cores, memory, OS, Python
-    and package versions.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    and package versions."""
     import os
     import numpy
 
@@ -235,7 +233,7 @@ def machine_description() -> dict:
         )
     except (ValueError, OSError, AttributeError):
         pass
-    for pkg in ("numba", "mlx", "cupy"):
+    for pkg in BACKENDS[1:]:              # the packages of the accelerated backends
         if importlib.util.find_spec(pkg) is not None:
             try:
                 from importlib.metadata import version
@@ -249,8 +247,7 @@ def machine_description() -> dict:
 def _simd_description() -> dict:
     """The CPU as LLVM names it and the SIMD sets numba's kernels use on it (appendix
     D's host_simd): two "AMD EPYC" machines can differ by AVX-512. Empty without numba.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    """
     if importlib.util.find_spec("numba") is None:
         return {}
     from llvmlite import binding

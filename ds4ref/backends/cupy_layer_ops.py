@@ -14,8 +14,9 @@ from ds4ref.weights import f32_of
 
 class CupyLayerOps:
     """RMSNorm, RoPE and pooling as CUDA kernels, numpy in and numpy out (the
-    launch_* methods: device arrays in and out, for the resident forward too); mixed
-    into CupyBackend, whose `cp`, `k` (the kernels) and `up` they use.
+    launch_* methods: device arrays in and out); mixed into CupyBackend, whose `cp`,
+    `k` (the kernels) and `up` they use. The model computes these in array ops; the
+    kernels are checked against ds4.c for a fused path to come.
     Mirrors ds4.c: the CUDA graph driver's layer kernels (l. 8082-14249), op by op"""
 
     # -- layer ops ---------------------------------------------------------------------

@@ -52,7 +52,6 @@ from ds4ref.backends.numba_simd import (
     simd_kernels,
 )
 from ds4ref.quant import quantize_q8_K
-# D.3g's activation quantizers, D.3h's prefill experts
 from ds4ref.backends.numba_glue import numba_quantize_q8_0, numba_quantize_q8_K
 from ds4ref.backends.numba_batch import (
     numba_experts_down_batch,
@@ -124,9 +123,8 @@ def experts_down_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
 
 
 # The byte-dot twins of the two kernels above (and the AVX2 / AVX-512 pair of the down
-# kernel) stay separate kernels for chapter 03's reason (its comment at
-# q2_K_avx2_kernel): numba caches no kernel that takes its row function as an argument,
-# and LLVM compiles an intrinsic only for a CPU that has it.
+# kernel) stay separate kernels: numba caches no kernel that takes its row function as
+# an argument, and LLVM compiles an intrinsic only for a CPU that has it.
 @njit(parallel=True, cache=True)
 def experts_mid_avx2_kernel(
     wg, wu, ids, rows, yq, yd, weights, clamp, grid, masks, lut, mid
@@ -232,7 +230,7 @@ class NumbaBackend(NumpyBackend):
     matvec_iq2_xxs_q8_K = staticmethod(numba_matvec_iq2_xxs_q8_K)
     matvec_q2_K_q8_K = staticmethod(numba_matvec_q2_K_q8_K)
     matvec_q4_K_q8_K = staticmethod(numba_matvec_q4_K_q8_K)
-    # host glue (chapter 3): D.3g's quantizers, chapter 2's bits
+    # the glue in numba: the activation quantizers, with chapter 2's bits
     quantize_q8_0 = staticmethod(numba_quantize_q8_0)
     quantize_q8_K = staticmethod(numba_quantize_q8_K)
     # f16_kernel runs the same loop for each (row, token) whatever the batch, so a

@@ -65,7 +65,8 @@ def _down_tile(block, wd, rows, experts, starts, stops, pairs, task, tiles, yq, 
             down[p, r] = _q2_K_row_simd(block, wd, row, yq, yd, ybs, p, lut)
 
 
-# Twins for D.2's reason (its comment at q2_K_avx2_kernel).
+# A twin, not a shared kernel: numba caches no kernel that takes its block function as
+# an argument, and LLVM compiles an AVX-512 intrinsic only for a CPU that has it.
 @njit(parallel=True, cache=True)
 def experts_down_batch_avx512_kernel(wd, rows, experts, starts, stops, pairs, yq, yd,
                                      ybs, lut, down):

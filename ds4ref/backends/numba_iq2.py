@@ -214,7 +214,7 @@ def _iq2_xxs_lanes_rows(lanes_fn, L, wg, wu, task, xu, ydl, n_tok, ga, ma, lut, 
             out_u[t, r] = np.float32(0.125) * acc[1, t // L, t % L]
 
 
-# Twins for chapter D.2's reason (its comment at q2_K_avx2_kernel): numba caches no
+# Twins, not one shared kernel: numba caches no
 # kernel that takes its intrinsic as an argument, and LLVM compiles an AVX-512
 # intrinsic only for a CPU that has it.
 @njit(parallel=True, cache=True)
@@ -269,8 +269,8 @@ IQ2_XXS_LANES_BYTE_DOT = (
 )
 # the numba matvec's choice, (kernel, lanes); None: the one-token kernels only
 IQ2_XXS_LANES = (simd_kernels(IQ2_XXS_LANES_BYTE_DOT) or [None])[0]
-# from this many tokens on, the numba matvec takes the lanes kernel (fewer: D.3f's
-# few-token kernel, or the one-token kernels); see tools/iq2_xxs_ab.py
+# from this many tokens on, the numba matvec takes the lanes kernel: below it most lanes
+# would idle (tools/iq2_xxs_ab.py times the crossover)
 IQ2_XXS_LANES_MIN_T = 8
 
 

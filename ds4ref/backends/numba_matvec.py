@@ -106,7 +106,7 @@ def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
     elif T >= Q8_0_AVX2_LANES_MIN_T:  # repacked once, 8 tokens per vector
         xs, xd8 = q8_0_avx2_lanes_operands(xq, xd)
         run_kernel(Q8_0_AVX2[1], raw, xs, xd8, T, F16_TO_F32, out, rows=rows)
-    else:  # a few tokens, 8 rows per register (D.3e)
+    else:  # a few tokens: 8 rows per register, each weight byte read once
         _q8_0_few(Q8_0_ROWS_AVX2, raw, xq, xd, out)
     return out.reshape(lead + (rows,))
 
@@ -219,7 +219,7 @@ def numba_matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
         xu, ydl = iq2_xxs_lanes_operands(np.ascontiguousarray(yq), yd, lanes)
         run_kernel(kernel, g_raw, u_raw, xu, ydl, T, IQ2XXS_GRID, IQ2XXS_SIGN_MASKS,
                    F16_TO_F32, g, u, rows=rows)
-    # each row decoded once, then dotted with each token (D.3f); any code, -128 too
+    # each row decoded once, then dotted with each token; any code, -128 too
     elif IQ2_XXS_TOKENS is not None and (T > 1 or (yq == -128).any()):
         run_kernel(IQ2_XXS_TOKENS, g_raw, u_raw, iq2_xxs_tokens_operand(yq), yd,
                    IQ2XXS_GRID, IQ2XXS_SIGN_MASKS, F16_TO_F32, g, u, rows=rows)

@@ -142,7 +142,9 @@ def _q8_0_row_avx2(w, r, xq, xd, t, lut):
     return acc
 
 
-# Twins of q8_0_kernel, for the reason given at q2_K_avx2_kernel (D.2).
+# Twins of q8_0_kernel, not one shared kernel: numba caches no kernel that takes its
+# block function as an argument, and LLVM compiles an intrinsic only for a CPU that
+# has it.
 @njit(parallel=True, cache=True)
 def q8_0_avx2_kernel(w, xq, xd, lut, out):
     """As q8_0_kernel for activations without -128 codes (xq's rows contiguous), the

@@ -40,14 +40,15 @@ def _block_sums(builder, kind, row, x, xc):
     """int32 [R]: lane j = the exact dot of the 32 weight bytes at row[j] with the 32
     activation bytes at x (xc = 128 sum x, for the VNNI form's offset)."""
     v8, v16, b32 = _vec(_i32, 8), _vec(_i32, 16), _vec(ir.IntType(8), 32)
-    if kind == "avx2":  # |w| times sign(w) x, as D.3d (x has no -128)
+    if kind == "avx2":  # |w| times sign(w) x: no pair saturates int16 (x has no -128)
         xv = builder.load(_addr(builder, x, 0, b32), align=1)
         return rows_reduce(builder, [_sign_dot(builder, builder.load(
             _addr(builder, r, 0, b32), align=1), xv) for r in row])
     dpbusd = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
     xv = builder.load(_addr(builder, x, 0, v8), align=1)
     xv = builder.shuffle_vector(xv, xv, ir.Constant(v16, list(range(8)) * 2))
-    flip = ir.Constant(v16, [-0x7F7F7F80] * 16)  # w + 128, read as unsigned (D.3b)
+    # vpdpbusd wants one unsigned operand: w + 128, then 128 sum x subtracted
+    flip = ir.Constant(v16, [-0x7F7F7F80] * 16)
     parts = []
     for j in range(0, len(row), 2):  # rows j, j + 1 in one 512-bit register
         lo, hi = (builder.load(_addr(builder, row[j + k], 0, v8), align=1)
@@ -133,7 +134,8 @@ def _q8_0_rows(rows1, rows4, R, w, tile, xq, xd, xc, acc, out, grouped):
         out[t, R * tile : R * tile + R] = acc
 
 
-# Twins for D.2's reason (its comment at q2_K_avx2_kernel).
+# A twin, not a shared kernel: numba caches no kernel that takes its block function as
+# an argument, and LLVM compiles an AVX-512 intrinsic only for a CPU that has it.
 @njit(parallel=True, cache=True)
 def q8_0_rows_vnni_kernel(w, xq, xd, xc, lut, out):
     """As q8_0_vnni_kernel (same arguments; xq, xd, xc C-contiguous), 16 rows per task

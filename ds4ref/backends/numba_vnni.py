@@ -209,7 +209,7 @@ def _q8_0_row_vnni(w, r, xq, xd, xc, t, lut):
     return acc
 
 
-# Twins of q8_0_kernel, for the reason given at q2_K_avx2_kernel: numba caches no kernel
+# Twins of q8_0_kernel, not one shared kernel: numba caches no kernel
 # that takes its block function as an argument, and LLVM compiles a VNNI intrinsic only
 # for a CPU that has it, so the portable kernel cannot hold a branch to these.
 @njit(parallel=True, cache=True)

@@ -41,7 +41,7 @@ BLOCK = {k: (*GGML_BLOCK[GGMLType[k]], scales) for k, scales in
 
 def machine() -> dict:
     """What the numbers were measured on: chapter 9's machine_description, plus numba's
-    thread count and the date. Mirrors ds4.c: nothing (benchmark harness)"""
+    thread count and the date."""
     from ds4ref.backends import machine_description
     return {
         **machine_description(),
@@ -57,9 +57,7 @@ def weight_pool(
     kind: str, n_in: int, n_out: int, total_bytes: int, rng
 ) -> list[np.ndarray]:
     """Enough copies of one random weight [n_out, row_bytes] to exceed the caches: each
-    call reads from DRAM.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    call reads from DRAM."""
     per, size, scales = BLOCK[kind]
     row_bytes = n_in // per * size
     n_copies = max(2, -(-total_bytes // (n_out * row_bytes)))
@@ -128,9 +126,7 @@ def _parallel_sum(buf, parts):
 
 def read_bandwidth(buf: np.ndarray) -> dict:
     """GB/s of summing a float32 buffer much larger than the caches: numba on 1 and on
-    all threads, numpy on 1 and 2.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    all threads, numpy on 1 and 2."""
     parts = np.zeros(64, np.float32)
     halves = np.array_split(buf, 2)
     out = {}
@@ -154,8 +150,7 @@ def bench_matvec(
 ) -> dict:
     """Time each matvec kernel per backend at ds4's shapes; GB/s of weight bytes read,
     and the ratio to the read bandwidth measured in the same run. A backend "numba:1" is
-    numba on one thread. Writes book/results/matvec_bench.json.
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    numba on one thread. Writes book/results/matvec_bench.json."""
     from ds4ref.backends import get_backend
     bes = {"numpy": NUMPY, "numba": get_backend("numba", strict=True)}
     all_threads = numba.get_num_threads()
@@ -226,8 +221,7 @@ def bench_matvec(
 
 
 def main(argv=None) -> int:
-    """`python -m ds4ref.dev.bench {matvec,engine,all}`.
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    """`python -m ds4ref.dev.bench {matvec,engine,all}`."""
     p = argparse.ArgumentParser(prog="python -m ds4ref.dev.bench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("matvec", help="matvec kernels at ds4's shapes, per backend")

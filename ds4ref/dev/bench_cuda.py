@@ -10,8 +10,7 @@ import numpy as np
 def random_blocks(rng, rows: int, n: int, ggml_type: int) -> np.ndarray:
     """Random valid GGUF rows uint8 [rows, row_bytes] (random codes, small finite f16
     scales): speed does not depend on the values, so the kernel benchmark needs no
-    quantizer.
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    quantizer."""
     from ds4ref.ggml_types import GGML_BLOCK, GGMLType
     from ds4ref.quant import row_bytes
     if ggml_type == 1:
@@ -28,8 +27,7 @@ def random_blocks(rng, rows: int, n: int, ggml_type: int) -> np.ndarray:
 def bench_cuda_kernels(repeats: int = 50) -> dict:
     """GB/s of weight bytes read by each CUDA matvec kernel at ds4's real shapes
     (device-resident inputs, CUDA events), against the device's copy bandwidth measured
-    in the same run.
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    in the same run."""
     import cupy as cp
     from ds4ref.backends import get_backend
     be = get_backend("cupy")
@@ -151,8 +149,7 @@ def bench_cuda_kernels(repeats: int = 50) -> dict:
 def bench_q8_0_prefill(be, rng, timed, cp, T=128, n=4096, rows=4096) -> dict:
     """A prefill's Q8_0 product for T tokens: the one-token kernel over grid.y = T
     (the row read per token) against matmul_q8_0_q8_0 (the row read once per 8 tokens).
-    Tokens per second of each, and the ratio. `timed(fn)` gives seconds per call.
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    Tokens per second of each, and the ratio. `timed(fn)` gives seconds per call."""
     raw = random_blocks(rng, rows, n, 8)
     w, y = cp.asarray(raw), cp.empty((T, rows), cp.float32)
     xq = cp.asarray(rng.integers(-127, 128, (T, n), dtype=np.int8))

@@ -63,8 +63,8 @@ def decode_bytes_per_token(cfg) -> int:
 
 def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -> dict:
     """Open `path` with `backend`, warm up, then time the prefill of `prompt` and
-    `steps` greedy decode steps. 'mlx-resident' / 'cupy-resident': the backend's
-    device forward (Engine.open(..., resident=True)).
+    `steps` greedy decode steps. 'mlx-resident' / 'cupy-resident': the backend on
+    device arrays (Engine.open(..., resident=True)).
 
     Mirrors ds4.c: nothing (benchmark harness; ds4.c's CLI prints the same tokens/s)"""
     from ds4ref.backends import get_backend
@@ -141,9 +141,7 @@ def wide_model_path(cache: Path | None = None) -> Path:
 
 def add_run(model: str, entry: dict, r: dict, keep: bool = True) -> None:
     """Record one timed row under its model (with the weight GB/s it implies) and print
-    it; with `keep` False only print it (one round of several).
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    it; with `keep` False only print it (one round of several)."""
     r["decode_gbps"] = entry["weight_bytes_per_token"] * r["decode_tok_s"] / 1e9
     if keep:
         entry["runs"].append(r)
@@ -157,9 +155,7 @@ def add_run(model: str, entry: dict, r: dict, keep: bool = True) -> None:
 def bench_numbered(path, backend: str, prompt: list[int], steps: int, ctx: int,
                    threads, restore: int) -> dict:
     """`bench_backend` at numba thread count `threads` (None: not numba), labelled
-    'numba Nt', then numba set back to `restore` threads.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    'numba Nt', then numba set back to `restore` threads."""
     if threads is None:
         return bench_backend(path, backend, prompt, steps, ctx)
     from numba import set_num_threads
@@ -175,16 +171,14 @@ def bench_numbered(path, backend: str, prompt: list[int], steps: int, ctx: int,
 
 def main(argv=None) -> dict:
     """`python -m ds4ref.dev.bench engine [options]`: run the benchmark, print the
-    table, write the results file.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    table, write the results file."""
     ap = argparse.ArgumentParser(
         prog="python -m ds4ref.dev.bench engine", description=__doc__
     )
     ap.add_argument(
         "--backends", default="numpy,numba,mlx",
         help="comma-separated backend names; mlx-resident and cupy-resident time the "
-             "backend's device forward (Engine.open(..., resident=True))"
+             "backend on device arrays (Engine.open(..., resident=True))"
     )
     ap.add_argument(
         "--models",

@@ -57,9 +57,7 @@ def write_llama_gguf(src, dst) -> Path:
     """Write to `dst` a copy of the ds4 GGUF `src` for llama.cpp 0c1e570: every tensor
     and key unchanged, plus `deepseek4.expert_gating_func` = 4 (sqrt(softplus)), which
     its deepseek4 loader reads and ds4's GGUFs do not carry (ds4.c fixes the function in
-    code); by gguf-py's `copy_with_new_metadata`.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    code); by gguf-py's `copy_with_new_metadata`."""
     import gguf
     from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
     from ds4ref.gguf import GGUFError
@@ -75,9 +73,7 @@ def write_llama_gguf(src, dst) -> Path:
 
 def llama_model_path(path) -> Path:
     """The llama.cpp copy of the model at `path`: `NAME.llama.gguf` beside it (in the
-    cache dir for the wide model), written once by `write_llama_gguf`.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    cache dir for the wide model), written once by `write_llama_gguf`."""
     path = Path(path)
     dst = path.with_name(path.stem + ".llama.gguf")
     if not dst.exists():
@@ -90,9 +86,7 @@ def llama_model_path(path) -> Path:
 
 def llama_bench_exe(where) -> Path:
     """The `llama-bench` binary: `where` itself, or `bin/llama-bench` in
-    tools/llama_cpp/build.sh's OUTDIR (or `llama-bench` in a build's bin folder).
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    tools/llama_cpp/build.sh's OUTDIR (or `llama-bench` in a build's bin folder)."""
     where = Path(where)
     if not where.is_dir():
         return where
@@ -103,9 +97,7 @@ def llama_bench_exe(where) -> Path:
 def llama_bench_row(tests: list, threads: int) -> dict:
     """A row like bench_ds4c's from `llama-bench -o json`'s tests: the prompt test
     (n_gen 0) gives the prefill, the generation test (n_prompt 0) the decode, each as
-    its mean tok/s (avg_ts); the fastest decode is the best repetition (samples_ts).
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    its mean tok/s (avg_ts); the fastest decode is the best repetition (samples_ts)."""
     pp = next(t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0)
     tg = next(t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0)
     return {"backend": "llama.cpp", "label": f"llama.cpp {threads}t",
@@ -133,9 +125,7 @@ def bench_llama_cpp(exe, path, prompt_len: int, steps: int, threads: int) -> dic
     `exe` is `llama-bench` (or tools/llama_cpp/build.sh's OUTDIR), run once per call
     with `-p prompt_len -n steps -t threads -r 1 -o json`, its file's pages read first
     (warm_file) and after its own warm-up; its prompt is its own tokens, as many as
-    ds4ref's.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    ds4ref's."""
     import subprocess
     warm_file(path)
     cmd = [str(llama_bench_exe(exe)), "-m", str(path), "-p", str(prompt_len),

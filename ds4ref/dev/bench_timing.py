@@ -20,9 +20,7 @@ RESULTS_DIR = REPO / "book" / "results"
 
 def run_stamp() -> dict:
     """When and on what code a result was measured: UTC date, git commit (None outside
-    git).
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    git)."""
     import datetime
     import subprocess
     try:
@@ -38,9 +36,7 @@ def run_stamp() -> dict:
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
     """GB/s of summing a `nbytes` array, median and best of `repeats`: one numpy thread,
     and all cores through numba when present. 'gbps' is the best reading of either: on a
-    shared machine the floor is what the memory can do when nothing else runs.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    shared machine the floor is what the memory can do when nothing else runs."""
     a = np.ones(nbytes // 8, np.float64)
     out = {"bytes": int(a.nbytes)}
     runs = []
@@ -84,9 +80,7 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
 def summarize_rounds(rows: list[dict]) -> dict:
     """One program's row over the rounds: the round with the median decode tok/s (the
     lower middle one for an even count), plus min, median and max of decode and prefill
-    tok/s, and each round's value.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    tok/s, and each round's value."""
     order = sorted(range(len(rows)), key=lambda i: rows[i]["decode_tok_s"])
     r = dict(rows[order[(len(rows) - 1) // 2]])
     for key in ("decode_tok_s", "prefill_tok_s"):
@@ -100,8 +94,7 @@ def paired_ratios(rounds: list[dict]) -> dict:
     """ds4ref numba over ds4.c and over llama.cpp at the same thread count, paired in
     each round: {'numba Nt / PROGRAM Nt': {'decode': [one per round], 'prefill': [...],
     'decode_median': ..., 'prefill_median': ...}}; `rounds` holds one {label: row} each.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    """
     out = {}
     for label, row in rounds[0].items():
         if row["backend"] != "numba" or "threads" not in row:
@@ -121,8 +114,7 @@ def paired_ratios(rounds: list[dict]) -> dict:
 
 def decode_profile(session, tok: int, steps: int, top: int = 8) -> list:
     """Where a decode step's time goes: the `top` functions by own time over `steps`
-    steps, as [function, share of the total]; the rest is summed as 'other'.
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    steps, as [function, share of the total]; the rest is summed as 'other'."""
     import cProfile
     import pstats
     prof = cProfile.Profile()
@@ -151,9 +143,7 @@ def _function_label(file: str, line: int, name: str) -> str:
 
 
 def print_ratios(model: str, pairs: dict) -> None:
-    """Print `paired_ratios`: each pair's ratio per round, then their median.
-
-    Mirrors ds4.c: nothing (benchmark harness)"""
+    """Print `paired_ratios`: each pair's ratio per round, then their median."""
     for name, p in pairs.items():
         for key in ("decode", "prefill"):
             each = " ".join(f"{v:.2f}" for v in p[key])

@@ -106,7 +106,7 @@ def _method(name: str):
 
 _OPS = ("add sub mul truediv floordiv mod pow matmul and or xor lshift rshift").split()
 for _name in (
-    "astype reshape copy view sum max argmax".split()
+    "astype reshape copy view sum max min argmax transpose".split()
     + ["__neg__", "__abs__", "__invert__", "__pos__"]
     + [f"__{op}__" for op in _OPS + "lt le gt ge eq ne".split()]
     + [f"__r{op}__" for op in _OPS]
@@ -124,9 +124,9 @@ class StandinCupy(types.SimpleNamespace):
 
     # exactly what ds4ref's CuPy code calls (a name missing here fails loudly)
     FUNCS = ("abs exp log1p log2 sqrt rint ceil isfinite maximum minimum where clip "
-             "concatenate stack repeat take take_along_axis searchsorted argsort "
-             "einsum zeros ones full arange").split()
-    DTYPES = "float16 float32 float64 int8 int16 int32 uint8".split()
+             "concatenate stack repeat take take_along_axis argmax argsort sort "
+             "einsum zeros ones full arange ascontiguousarray").split()
+    DTYPES = "float16 float32 float64 int8 int16 int32 uint8 bool_".split()
 
     def __init__(self):
         super().__init__()
