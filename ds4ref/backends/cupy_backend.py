@@ -296,12 +296,6 @@ class CupyDevice(DeviceArrays, CupyBackend):
     def xp(self):
         return self.cp
 
-    def on_device(self) -> CupyDevice:
-        return self
-
-    def _out(self, y):
-        return y
-
     def upload(self, a):
         return self.cp.asarray(np.ascontiguousarray(a))
 

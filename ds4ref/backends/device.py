@@ -32,6 +32,13 @@ class DeviceArrays:
         self._e4m3 = self.upload(E4M3_VALUES)
         self._e2m1 = self.upload(E2M1_VALUES)
 
+    def on_device(self):
+        return self
+
+    def _out(self, y):
+        """A kernel's result stays on the device (the op-by-op backend downloads it)."""
+        return y
+
     # -- placing -----------------------------------------------------------------------
     def place(self, t):
         """t on the device, once: a weight a kernel reads as Placed (its blocks as

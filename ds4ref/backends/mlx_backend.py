@@ -313,12 +313,6 @@ class MlxDevice(DeviceArrays, MlxBackend):
         self.xp = self.mx
         DeviceArrays.__init__(self)
 
-    def on_device(self) -> MlxDevice:
-        return self
-
-    def _out(self, y):
-        return y
-
     def upload(self, a):
         return self.mx.array(np.ascontiguousarray(a))
 
