@@ -92,3 +92,15 @@ def test_every_ds4c_line_citation_is_a_link():
     assert ds4c_links.link_text("the notes' l. 3494") == "the notes' l. 3494"
     bad = [f"{p.name} cell {i}" for p in ds4c_links.chapters() for i in ds4c_links.unlinked(p)]
     assert not bad, "citations without links (run tools/ds4c_links.py): " + ", ".join(bad)
+
+
+def test_every_chapter_keeps_its_stored_outputs():
+    """A chapter written without being executed has no outputs, and nbval then compares
+    nothing: every chapter that prints must carry what it printed."""
+    empty = []
+    for chapter in sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb")):
+        cells = [c for c in json.loads(chapter.read_text())["cells"] if c["cell_type"] == "code"]
+        prints = [c for c in cells if "print(" in "".join(c["source"])]
+        if prints and not any(c.get("outputs") for c in prints):
+            empty.append(chapter.name)
+    assert not empty, "chapters without stored outputs (run tools/nb.py run): " + ", ".join(empty)
