@@ -11,6 +11,33 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.2f} MB"
 
 
+def _runs(xs) -> str:
+    """A layer list in run-length form: [0, 0, 4, 128, 4, 128, 4] -> "0 x2, (4, 128) x2,
+    4", so that 43 layers fit on one line."""
+    xs, out, i = list(xs), [], 0
+    while i < len(xs):
+        p, k = 1, 1                                   # period and repeat count
+        for q in (1, 2):
+            n = 1
+            while xs[i + n * q:i + (n + 1) * q] == xs[i:i + q]:
+                n += 1
+            if n > 1 and n * q > p * k:
+                p, k = q, n
+        unit = ", ".join(map(str, xs[i:i + p]))
+        out.append(unit if k == 1 else f"{unit} x{k}" if p == 1 else f"({unit}) x{k}")
+        i += p * k
+    return ", ".join(out)
+
+
+def _every(xs) -> str:
+    """[2, 4, 6, ..., 42] -> "2, 4, ..., 42" when the steps are equal; else the list."""
+    xs = list(xs)
+    steps = {b - a for a, b in zip(xs, xs[1:])}
+    if len(xs) > 4 and len(steps) == 1:
+        return f"{xs[0]}, {xs[1]}, ..., {xs[-1]}"
+    return ", ".join(map(str, xs))
+
+
 def model_summary(path) -> str:
     """A text summary of a DS4 GGUF: shape, layer schedule, tensor count and bytes per
     type.
@@ -37,10 +64,10 @@ def model_summary(path) -> str:
             f"experts: {cfg.n_expert} routed ({cfg.n_expert_used} per token, hidden "
             f"{cfg.n_ff_exp}) + {cfg.n_expert_shared} shared; hash routing on layers "
             f"0-{cfg.n_hash_layer - 1}",
-            f"layers:  compress ratios {list(ratios)}; indexer "
+            f"layers:  compress ratios {_runs(ratios)}; indexer "
             f"({cfg.n_indexer_head} heads x "
             f"{cfg.indexer_head_dim}, top {cfg.indexer_top_k}) on layers "
-            f"{[i for i, r in enumerate(ratios) if r == 4]}",
+            f"{_every(i for i, r in enumerate(ratios) if r == 4)}",
             f"bytes per type ({_mb(total)} of tensor data, file {_mb(g.size)}):",
         ]
         for name, (n, b) in sorted(per_type.items(), key=lambda kv: -kv[1][1]):

@@ -82,7 +82,7 @@ class Engine:
         mtp_path: an MTP GGUF (default: the bundled model's, when the bundled model is
         opened); steering_file: an f32 [n_layer, n_embd] direction file, applied after
         attention and after the FFN with scales steering_attn / steering_ffn (None: 1.0
-        with a file, as ds4's CLI). Both are chapter 11.
+        with a file, as ds4's CLI).
 
         resident: the model's arrays on the backend's device (be.on_device(): MLX and
         CuPy); refuses steering and an MTP file, which need host arrays between ops.

@@ -242,7 +242,7 @@ def routed_moe(cfg, lw, f, tokens, be=NUMPY, trace=NO_TRACE, force_experts=None)
 class MoE:
     """The FFN sub-layer of one layer on backend `be`, for T tokens at positions
     pos0.. (decode: T = 1): HC pre, RMSNorm(ffn_norm), the routed experts and the shared
-    expert, [steering, chapter 11,] HC post. `hooks` (chapter 6) hold the trace, the
+    expert, [steering,] HC post. `hooks` hold the trace, the
     decisions to replay and the steering.
     Mirrors ds4.c: layer_ffn_one (l. 5659), layer_ffn_batch (l. 5838)"""
 

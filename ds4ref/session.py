@@ -312,14 +312,15 @@ class Session:
         return sample_argmax(self.logits)
 
     def argmax_excluding(self, excluded_id: int) -> int:
-        """Greedy next token other than `excluded_id` (first maximum). Chapter 11.
+        """Greedy next token other than `excluded_id` (first maximum), for
+        think-mode checks.
 
         Mirrors ds4.c: ds4_session_argmax_excluding (l. 17624)"""
         from ds4ref.sample import argmax_excluding
         return argmax_excluding(self.logits, excluded_id)
 
     def token_logprob(self, token: int) -> tuple[int, float, float]:
-        """(id, logit, log-probability) of one token under the logits. Chapter 11.
+        """(id, logit, log-probability) of one token under the logits.
 
         Mirrors ds4.c: ds4_session_token_logprob (l. 17680)"""
         from ds4ref.sample import token_logprob
@@ -331,7 +332,7 @@ class Session:
         one batch.
 
         Returns the tokens committed (first_token first), exactly those plain greedy
-        decoding would give. Chapter 11.
+        decoding would give.
         Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
         from ds4ref.mtp import eval_speculative_argmax
         return eval_speculative_argmax(self, first_token, max_tokens, eos_token)

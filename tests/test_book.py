@@ -104,3 +104,52 @@ def test_every_chapter_keeps_its_stored_outputs():
         if prints and not any(c.get("outputs") for c in prints):
             empty.append(chapter.name)
     assert not empty, "chapters without stored outputs (run tools/nb.py run): " + ", ".join(empty)
+
+
+def test_measured_value_is_masked_but_the_claim_is_compared():
+    """below() prints the claim and the measured value: the sanitizer the tests run with
+    must hide the measured digits and leave the claim (its bound and tolerance) compared."""
+    import re
+
+    from nbval.plugin import get_sanitize_patterns
+
+    from ds4ref.checks import below
+
+    patterns = get_sanitize_patterns((ROOT / "tests" / "nbval_sanitize.cfg").read_text())
+
+    def seen(text: str) -> str:
+        for regex, replace in patterns:
+            text = re.sub(regex, replace, text)
+        return text
+
+    stored, here = below(3.1e-7, 1e-6, tol=1e-5), below(4.7e-8, 1e-6, tol=1e-5)
+    assert stored.endswith("[measured 3.1e-07]") and here.endswith("[measured 4.7e-08]")
+    assert seen(stored) == seen(here) == "< 1e-06 (tolerance 1e-05) [measured]"
+    assert seen(below(3.1e-7, 2e-6, tol=1e-5)) != seen(stored)
+    assert seen(below(3.1e-7, 1e-6)) != seen(stored)
+
+
+CORE = ("01", "02", "03", "04", "05", "06", "07", "08", "09", "11")
+FOLDED = {"hide-cell", "hide-input", "remove-cell", "remove-input"}
+
+
+def shown_code_lines(chapter: Path) -> int:
+    """Non-blank code lines a reader sees without unfolding anything (the tangler's
+    `#|` markers are dropped from the rendered page)."""
+    n = 0
+    for cell in json.loads(chapter.read_text())["cells"]:
+        if cell["cell_type"] != "code" or FOLDED & set(cell["metadata"].get("tags", [])):
+            continue
+        n += sum(1 for line in "".join(cell["source"]).split("\n")
+                 if line.strip() and not line.startswith("#|"))
+    return n
+
+
+def test_core_chapters_show_at_most_600_lines_of_code():
+    """Each core chapter teaches its mechanisms in the open and folds the package's
+    machinery: no more than 600 code lines unfolded."""
+    counts = {p.name: shown_code_lines(p) for p in sorted((ROOT / "book").glob("*.ipynb"))
+              if p.name[:2] in CORE}
+    assert len(counts) == len(CORE), sorted(counts)
+    over = {name: n for name, n in counts.items() if n > 600}
+    assert not over, f"chapters showing more than 600 code lines: {over}"

@@ -1,4 +1,4 @@
-"""Measure what speculative decoding costs on ds4ref (chapter 11's cost model reads the result).
+"""Measure what speculative decoding costs on ds4ref (chapter 10's cost model reads the result).
 
 On the bundled trained model (or -m MODEL with --mtp PATH), one backend, after a prompt of --prompt tokens:
 - decode_s: one plain decode step (Session.eval), the fastest of --reps (all times are);

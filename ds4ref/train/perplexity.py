@@ -23,7 +23,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def sequence_nll(cfg, w, tokens, be=NUMPY, chunk: int = 256) -> np.ndarray:
     """-log p(token i+1 | tokens 0..i) for every i: float64 [len(tokens) - 1].
 
-    One cache, fed `chunk` tokens at a time by chapter 11's forward_rows."""
+    One cache, fed `chunk` tokens at a time by the model's batch forward."""
     tokens = np.asarray(tokens, np.int64)
     model, cache = Model(cfg, w, be), KVCache(cfg, len(tokens))
     out = []
