@@ -49,7 +49,8 @@ class Hooks:
     """What a run observes or changes beside its input, shared by a model's layer
     objects: `trace` (NO_TRACE: off), `force` (ds4.c's recorded decisions to replay:
     {"experts": {il: ids[pos, 6]}, "indexer": {il: rows[pos, k]}}, all -1 = none) and
-    `steering` (a direction added to the residual stream). The layers take these from here, never as arguments.
+    `steering` (a direction added to the residual stream). The layers take these
+    from here, never as arguments.
     Mirrors ds4.c: the trace flag and the steering arguments of
     layer_forward_raw_swa_one (l. 7527)"""
 

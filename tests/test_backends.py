@@ -632,7 +632,7 @@ def test_bad_expert_ids_and_attention_shapes_raise_before_any_kernel_runs(name, 
         attention_of(be, q, rows, np.zeros(cfg.n_head - 1, np.float32))       # one sink short
 
 
-# a prefill's routed experts in one parallel loop per pass (appendix D.3h; chapter 7's batch ops)
+# a prefill's routed experts in one parallel loop per pass (appendix D.12; chapter 7's batch ops)
 def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
     """NumbaBackend.experts_mid / experts_down on a prefill's tokens (one parallel loop per pass, heavy experts by the
     lanes kernel) against chapter 3's composition over numba's own per-expert matvecs and against numpy's

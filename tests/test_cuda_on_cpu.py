@@ -231,6 +231,62 @@ def _run_q8(module, W, a):
     return y
 
 
+ORDER_PROBE = r"""
+// block 0 writes x[0]; every other block copies it: a kernel that depends on block order
+extern "C" __global__ void copy_first(float *x) {
+    if (blockIdx.x == 0) { if (threadIdx.x == 0) x[0] = 1.0f; return; }
+    if (threadIdx.x == 0) x[blockIdx.x] = x[0];
+}
+"""
+
+
+def test_block_order_runs_every_block_once_in_a_seeded_random_order(probes):
+    """block_order=seed: each launch sees every blockIdx exactly once (the coordinates kernel gives
+    the in-order result), and a kernel that depends on the order gives another result."""
+    grid, block = (3, 2, 2), (8, 4, 2)
+    want = np.full((12, 64, 4), -1, np.int32)
+    probes.get_function("coords")(grid, block, (want,))
+    for seed in (0, 1, 2):
+        got = np.full_like(want, -1)
+        CpuModule(PROBES, (KDIR,), block_order=seed).get_function("coords")(grid, block, (got,))
+        assert np.array_equal(got, want)
+    ordered = np.zeros(8, np.float32)
+    CpuModule(ORDER_PROBE, (KDIR,)).get_function("copy_first")(8, 32, (ordered,))
+    assert (ordered == 1).all()
+    shuffled = [np.zeros(8, np.float32) for _ in range(2)]
+    for x in shuffled:      # the same seed draws the same order
+        CpuModule(ORDER_PROBE, (KDIR,), block_order=1).get_function("copy_first")(8, 32, (x,))
+    assert np.array_equal(*shuffled) and (shuffled[0] == 0).any()
+
+
+def test_the_sanitizer_build_stops_a_read_past_an_array():
+    """extra_flags reach the compiler: with SANITIZERS (in a process with ASan preloaded) a Q8_0
+    launch told of one row more than the weights hold is stopped at the read."""
+    import shutil
+    import subprocess
+    from ds4ref.dev.cuda_on_cpu import sanitized_python
+    gxx = shutil.which("g++")
+    if gxx is None or not subprocess.run([gxx, "-print-file-name=libasan.so"], capture_output=True,
+                                         text=True).stdout.strip().startswith("/"):
+        pytest.skip("needs g++ with its AddressSanitizer runtime")
+    code = """
+import sys, numpy as np
+from ds4ref.backends.cupy_kernels import kernel_dir, kernel_source
+from ds4ref.dev.cuda_on_cpu import SANITIZERS, CpuModule
+rows = int(sys.argv[1])
+W = np.zeros((8, 34), np.uint8)
+qs, d, y = np.zeros(32, np.int8), np.zeros(1, np.float32), np.zeros(rows, np.float32)
+k = CpuModule(kernel_source("matvec.cu"), (f"-I{kernel_dir()}",), extra_flags=SANITIZERS)
+k.get_function("matvec_q8_0_q8_0")((-(-rows // 4),), (128,),
+                                   (W, np.int64(34), np.int32(rows), np.int32(1), qs, d, y))
+print("ran")
+"""
+    fine = sanitized_python(code, "8")
+    assert fine.returncode == 0 and fine.stdout.strip() == "ran", fine.stderr[-2000:]
+    past = sanitized_python(code, "9")
+    assert past.returncode != 0 and "heap-buffer-overflow" in past.stderr, past.stderr[-2000:]
+
+
 def test_the_ucontext_build_gives_the_same_bits():
     W, a = _q8_case()
     src = kernel_source("matvec.cu")

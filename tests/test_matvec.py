@@ -453,7 +453,7 @@ def test_non_finite_values_propagate_as_documented(be, model):
 
 
 def test_numba_glue_gives_chapter_2s_bits_and_errors():
-    """The numba backend's activation quantizers (host glue, appendix D.3g) against chapter 2's on random batches
+    """The numba backend's activation quantizers (host glue, appendix D.11) against chapter 2's on random batches
     with zero blocks, ties, a negative largest element and a float32 factor that overflows; the same QuantError
     on NaN / inf and on a Q8_K length that is not a multiple of 256; a Q8_0 length not a multiple of 32 padded as
     chapter 2 pads it."""

@@ -294,7 +294,7 @@ def test_q8_0_backend_uses_either_path_with_the_same_bits(monkeypatch):
     assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
 
 
-# Q8_0 by AVX2 (appendix D, D.3d): |w| times sign(w) x by vpmaddubsw, one token at a time and 8-token lanes
+# Q8_0 by AVX2 (appendix D, D.6): |w| times sign(w) x by vpmaddubsw, one token at a time and 8-token lanes
 import ds4ref.backends.numba_q8avx2 as qa  # noqa: E402
 
 Q8_0_AVX2_PAIRS = ns.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT)
@@ -433,7 +433,7 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
     assert qa.Q8_0_AVX2_LANES_MIN_T >= 2
 
 
-# Q8_0 decode in row lanes (appendix D, D.3e): 16 (VNNI) or 8 (AVX2) rows per register
+# Q8_0 decode in row lanes (appendix D, D.7): 16 (VNNI) or 8 (AVX2) rows per register
 import ds4ref.backends.numba_rows as nr  # noqa: E402
 
 ROWS_CASES = [pytest.param(kernel, needs, marks=pytest.mark.skipif(
@@ -500,7 +500,7 @@ def test_q8_0_rows_follow_the_host_features(monkeypatch):
     assert ns.simd_kernels(nr.Q8_0_ROWS_BYTE_DOT) == []
 
 
-# IQ2_XXS in lanes (appendix D, D.3c): each row decoded once, 8 (AVX2) or 16 (AVX-512) tokens per vector,
+# IQ2_XXS in lanes (appendix D, D.8): each row decoded once, 8 (AVX2) or 16 (AVX-512) tokens per vector,
 # against the portable iq2_xxs_pair_kernel
 import ds4ref.backends.numba_iq2 as ni  # noqa: E402
 
@@ -615,7 +615,7 @@ def test_iq2_backend_batches_take_the_lanes_kernel_with_the_same_bits(monkeypatc
     assert called[-1] is nk.iq2_xxs_pair_kernel
 
 
-# IQ2_XXS for a few tokens (appendix D, D.3f): each row decoded once, then dotted with each token
+# IQ2_XXS for a few tokens (appendix D, D.9): each row decoded once, then dotted with each token
 NO_TOKENS = "this CPU (or NUMBA_CPU_NAME) lacks AVX2: the few-token IQ2_XXS kernel cannot run here"
 
 
@@ -688,7 +688,7 @@ def test_iq2_lanes_follow_the_host_features(monkeypatch):
     assert ns.simd_kernels(ni.IQ2_XXS_LANES_BYTE_DOT) == []
 
 
-# the grouped output projection of one token in one loop (appendix D, D.3e; chapter 3's matvec_q8_0_grouped)
+# the grouped output projection of one token in one loop (appendix D, D.7; chapter 3's matvec_q8_0_grouped)
 def test_q8_0_grouped_equals_the_composed_reference(monkeypatch):
     """NumbaBackend.project_grouped: one token's 8 groups in one parallel loop (where the CPU has a row-lanes
     kernel), a batch and a rank the kernel cannot take through the composition: numpy's bits, and the grouped
@@ -725,7 +725,7 @@ def test_q8_0_grouped_kernels_on_ds4_attention_output(model, ops_A):
             assert np.array_equal(low.reshape(-1), ops_A[f"L{il}.P{p}.attn_low"].reshape(-1)), (il, p)
 
 
-# F16 by vcvtph2ps (appendix D, D.3i)
+# F16 by vcvtph2ps (appendix D, D.10)
 import ds4ref.backends.numba_f16 as nf  # noqa: E402
 
 
@@ -759,7 +759,7 @@ def test_f16_simd_equals_an_exact_float64_dot_within_float32_rounding(n):
     assert np.array_equal(alone[0], out[3])
 
 
-# DS4REF_SIMD narrows the probe (appendix D.2): one machine runs another's code paths
+# DS4REF_SIMD narrows the probe (appendix D.3): one machine runs another's code paths
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 

@@ -14,7 +14,8 @@ import pytest
 
 from ds4ref.config import ModelConfig
 from ds4ref.engine import Engine
-from ds4ref.train.perplexity import log_softmax, perplexity, sequence_nll, unigram_perplexity
+from ds4ref.train.perplexity import (log_softmax, ngram_nll, perplexity, sequence_nll,
+                                     unigram_perplexity)
 
 ROOT = Path(__file__).resolve().parents[1]
 REC = json.loads((ROOT / "book" / "results" / "trained.json").read_text())
@@ -41,6 +42,26 @@ def test_unigram_perplexity_formula():
     assert perplexity(np.log([2.0, 8.0])) == pytest.approx(4.0)
     z = np.array([[1.0, 2.0, 3.0]])
     assert np.exp(log_softmax(z)).sum() == pytest.approx(1.0)
+
+
+def test_ngram_baselines_are_distributions_with_the_textbook_formulas():
+    """Appendix B's baselines: for a fixed history, p(w | h) over the whole vocabulary sums to
+    1 for every order and smoothing, and small cases match the formulas by hand."""
+    V = 6
+    train = np.array([0, 2, 3, 2, 3, 4, 1, 0, 2, 3, 5, 1])
+    for order, smoothing in ((1, "add-one"), (2, "add-one"), (2, "witten-bell"),
+                             (3, "witten-bell"), (4, "witten-bell")):
+        for h in ([2, 3], [0, 2], [5, 5], [3, 4]):          # seen and unseen contexts
+            p = [math.exp(-ngram_nll(train, [*h, w], order, V, smoothing)[-1]) for w in range(V)]
+            assert sum(p) == pytest.approx(1.0, rel=1e-12), (order, smoothing, h)
+    N = len(train)
+    assert math.exp(-ngram_nll(train, [0, 3], 1, V, "add-one")[0]) == pytest.approx(4 / (N + V))
+    # add-one bigram: c(2 3) = 3, c(2 as a context) = 3
+    assert math.exp(-ngram_nll(train, [2, 3], 2, V, "add-one")[0]) == pytest.approx(4 / (3 + V))
+    # Witten-Bell bigram after 3: c(3 w) = {2: 1, 4: 1, 5: 1}, t = 3; p(4 | 3) mixes in p(4)
+    p4 = (1 + 1) / (N + V)
+    want = (1 + 3 * p4) / (3 + 3)
+    assert math.exp(-ngram_nll(train, [3, 4], 2, V)[0]) == pytest.approx(want, rel=1e-12)
 
 
 def test_heldout_perplexity_is_recorded_and_far_below_unigram(trained):

@@ -7,7 +7,7 @@ turn, so that a noisy moment of the machine touches them all. Variants (all thro
 
   portable  q8_0_kernel (Q8_0_SIMD forced to None)
   vnni      the matvec's own choice (Q8_0_LANES_MIN_T decides few-token vs lanes kernel)
-  one-tok   the few-token path for every T: D.3e's q8_0_rows_vnni_kernel   (with --all-variants;
+  one-tok   the few-token path for every T: D.7's q8_0_rows_vnni_kernel   (with --all-variants;
             tools/q8_0_rows_ab.py compares it with q8_0_vnni_kernel, one row at a time)
   lanes     q8_0_vnni_lanes_kernel for every T       (with --all-variants)
 

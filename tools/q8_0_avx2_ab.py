@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""The portable Q8_0 matvec kernel against the AVX2 ones (appendix D.3d), side by side, in one process.
+"""The portable Q8_0 matvec kernel against the AVX2 ones (appendix D.6), side by side, in one process.
 
 Every row is one (threads, shape, tokens) case; each round times every variant of the row once, in
 turn, so that a noisy moment of the machine touches them all. Variants (all through
 `numba_matvec_q8_0_prequant`, so the AVX2 rows include the -128 check and the activation repack):
 
   portable  q8_0_kernel (Q8_0_AVX2 forced to None)
-  one-tok   the few-token path for every T: D.3e's q8_0_rows_avx2_kernel (8 rows per register;
+  one-tok   the few-token path for every T: D.7's q8_0_rows_avx2_kernel (8 rows per register;
             tools/q8_0_rows_ab.py compares it with q8_0_avx2_kernel, one row at a time)
   lanes     q8_0_avx2_lanes_kernel for every T
 

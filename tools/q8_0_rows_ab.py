@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The Q8_0 decode kernels side by side, in one process: one row at a time (D.3b, D.3d) against rows in
-lanes (D.3e), with VNNI and with AVX2, as far as this CPU has them.
+"""The Q8_0 decode kernels side by side, in one process: one row at a time (D.5, D.6) against rows in
+lanes (D.7), with VNNI and with AVX2, as far as this CPU has them.
 
 Every row is one (threads, shape) case at one token, on the wide model's Q8_0 shapes; each round times every
 variant once, in turn, so that a noisy moment of the machine touches them all. Variants (the kernels

@@ -23,22 +23,11 @@ from ds4ref.quant import iq2xxs_grid, ksigns_iq2xs
 from ds4ref.weights import f32_of
 
 
-class MlxBackend(NumpyBackend):
-    """NumpyBackend with the kernels written in MLX ops, host arrays in and out.
-
-    Each weight's GGUF blocks go up once, on first use, in the layout its kernel reads
-    (Q8_0: int8 codes and float32 scales; F16 as float16; IQ2_XXS and Q2_K as raw
-    blocks, 2.06 and 2.6 bits a weight, never dequantized). Every call decodes the
-    blocks it needs with MLX ops (views, shifts, a table gather for the IQ2_XXS grid),
-    forms ds4.c's integer block dots exactly, then the float scale sums. MLX runs the
-    same graph on the CPU (Linux, `mlx[cpu]`) or on an Apple GPU (Metal).
-    Mirrors ds4.c: the Metal graph driver (l. 8082-14249) in spirit; the math of the CPU
-    path"""
-    name = "mlx"
-    # not matvec_q4_K_q8_K: a q4 file's Q4_K experts go to numpy's reference
-    # (expert_types), and a strict engine refuses such a file at open
-    partial = FUSED_PARTIAL
-    expert_types = FUSED_EXPERT_TYPES
+class MlxBlocks(NumpyBackend):
+    """What MlxBackend stands on: the MLX module and tables, host arrays up (`_mx`)
+    and results down (`_out`), each weight's GGUF blocks sent up once in the layout
+    its kernel reads (`blocks`, `_weight`, `_experts`), and the activations' codes and
+    scales as MLX arrays (`_act`, `_q8_K`)."""
 
     def __init__(self, device: str | None = None):
         import mlx.core as mx
@@ -122,6 +111,39 @@ class MlxBackend(NumpyBackend):
                               f"weight rows have {n} values")
         return tuple(qs.shape[:-1]), qs.reshape(-1, n).astype(self.mx.int32)
 
+    def _q8_K(self, a, n: int):
+        """(lead dims, yq int32 [T, nb, 256], yd [T, nb], bsums int32 [T, nb, 16])."""
+        mx, nb = self.mx, n // 256
+        lead, yq = self._act(a, n, "Q8_K")
+        d = self._mx(a.d, mx.float32).reshape(-1, nb)
+        bsums = self._mx(a.bsums).astype(mx.int32).reshape(-1, nb, 16)
+        return lead, yq.reshape(-1, nb, 256), d, bsums
+
+    def _expert_ids(self, sel, w3):
+        """sel [T, k] as int32 mx: host ids are checked first (a gather with a bad id
+        reads past the tensor); ids on the device come from the router, in range."""
+        if isinstance(sel, self.array_type):
+            return sel
+        return self.mx.array(expert_ids(sel, w3).reshape(np.shape(sel)))
+
+
+class MlxBackend(MlxBlocks):
+    """NumpyBackend with the kernels written in MLX ops, host arrays in and out.
+
+    Each weight's GGUF blocks go up once, on first use, in the layout its kernel reads
+    (Q8_0: int8 codes and float32 scales; F16 as float16; IQ2_XXS and Q2_K as raw
+    blocks, 2.06 and 2.6 bits a weight, never dequantized). Every call decodes the
+    blocks it needs with MLX ops (views, shifts, a table gather for the IQ2_XXS grid),
+    forms ds4.c's integer block dots exactly, then the float scale sums. MLX runs the
+    same graph on the CPU (Linux, `mlx[cpu]`) or on an Apple GPU (Metal).
+    Mirrors ds4.c: the Metal graph driver (l. 8082-14249) in spirit; the math of the CPU
+    path"""
+    name = "mlx"
+    # not matvec_q4_K_q8_K: a q4 file's Q4_K experts go to numpy's reference
+    # (expert_types), and a strict engine refuses such a file at open
+    partial = FUSED_PARTIAL
+    expert_types = FUSED_EXPERT_TYPES
+
     # -- Q8_0 and F16 ------------------------------------------------------------------
     def matvec_q8_0_prequant(self, w, a):
         """y = W x, Q8_0 weight times Q8_0 activation: per 32-block an exact integer
@@ -193,14 +215,6 @@ class MlxBackend(NumpyBackend):
         return (d * yd * isum.astype(mx.float32)
                 - dmin * yd * summs.astype(mx.float32)).sum(-1)
 
-    def _q8_K(self, a, n: int):
-        """(lead dims, yq int32 [T, nb, 256], yd [T, nb], bsums int32 [T, nb, 16])."""
-        mx, nb = self.mx, n // 256
-        lead, yq = self._act(a, n, "Q8_K")
-        d = self._mx(a.d, mx.float32).reshape(-1, nb)
-        bsums = self._mx(a.bsums).astype(mx.int32).reshape(-1, nb, 16)
-        return lead, yq.reshape(-1, nb, 256), d, bsums
-
     def matvec_iq2_xxs_q8_K(self, w, a):
         """y = W x for an IQ2_XXS weight and a Q8_K activation -> [..., rows].
         Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
@@ -226,13 +240,6 @@ class MlxBackend(NumpyBackend):
         return self._out(self.q2_K_dots(blocks, yq, yd, ybs).reshape(*lead, -1))
 
     # -- the routed experts: each token's six in one graph -----------------------------
-    def _expert_ids(self, sel, w3):
-        """sel [T, k] as int32 mx: host ids are checked first (a gather with a bad id
-        reads past the tensor); ids on the device come from the router, in range."""
-        if isinstance(sel, self.array_type):
-            return sel
-        return self.mx.array(expert_ids(sel, w3).reshape(np.shape(sel)))
-
     def experts_mid(self, w_gate3, w_up3, sel, weights, xq, clamp: float = 10.0):
         """mid [T, k, n_ff] = silu(min(g, c)) * clamp(u, +-c) * weights: per token,
         its experts' gate and up blocks gathered (mx.take) and dotted in one graph.

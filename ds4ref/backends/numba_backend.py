@@ -238,7 +238,7 @@ class NumbaBackend(NumpyBackend):
     f16_batch_invariant = True
 
     def project_grouped(self, w, x) -> np.ndarray:
-        """One token's groups in one parallel loop (D.3e's grouped kernel); where that
+        """One token's groups in one parallel loop (D.7's grouped kernel); where that
         does not apply, chapter 3's composition over this backend's matvec_q8_0.
         Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
         x = np.asarray(x, np.float32)
@@ -251,7 +251,7 @@ class NumbaBackend(NumpyBackend):
     def experts_mid(self, w_gate3, w_up3, sel, weights, xq, clamp: float = 10.0):
         """mid [T, k, n_ff]: one token's six experts in one parallel kernel (gate, up,
         clamp, SiLU, route weight); a prefill's pairs in one parallel loop per pass
-        (D.3h), then the SwiGLU in numpy; other expert types: numpy's reference.
+        (D.12), then the SwiGLU in numpy; other expert types: numpy's reference.
         Mirrors ds4.c: matvec_iq2_xxs_experts_mid_prequant (l. 3917),
         layer_routed_moe_batch (l. 5509)"""
         ref = unfused_experts(self, "experts_mid", w_gate3)
@@ -269,7 +269,7 @@ class NumbaBackend(NumpyBackend):
 
     def experts_down(self, w_down3, sel, midq) -> np.ndarray:
         """moe [T, n_embd]: one token's six down matvecs in one parallel kernel, summed
-        in slot order; a prefill's pairs in one parallel loop (D.3h), then the sums.
+        in slot order; a prefill's pairs in one parallel loop (D.12), then the sums.
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034),
         layer_routed_moe_batch (l. 5509)"""
         ref = unfused_experts(self, "experts_down", w_down3)

@@ -64,7 +64,7 @@ def _rows(w, ggml_type: int) -> np.ndarray:
 
 def _x_corrections(xq: np.ndarray) -> np.ndarray:
     """128 sum x per (token, block) of int8 codes xq [T, n]: int32 [T, n/32], the VNNI
-    kernels' offset (D.3b), once per call instead of once per weight row."""
+    kernels' offset (D.5), once per call instead of once per weight row."""
     return 128 * xq.reshape(len(xq), -1, 32).sum(-1, dtype=np.int32)
 
 
@@ -79,7 +79,7 @@ def _q8_0_few(kernel, raw, xq, xd, out) -> None:
 
 def _q8_0_vnni(raw, xq, xd, out) -> None:
     """out = the Q8_0 matvec by the VNNI kernels: 16-token lanes from
-    Q8_0_LANES_MIN_T tokens on, else D.3e's 16 rows in lanes, token by token.
+    Q8_0_LANES_MIN_T tokens on, else D.7's 16 rows in lanes, token by token.
     Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
     T, rows = out.shape
     if T >= Q8_0_LANES_MIN_T:  # the activation repacked once, 16 tokens per vector
@@ -113,7 +113,7 @@ def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
 
 def numba_matvec_q8_0_grouped(w, x) -> np.ndarray | None:
     """One token's grouped matvec (numpy's project_grouped; x [G, k]) in one
-    parallel loop by D.3e's grouped kernel -> [G, rank]; None where that kernel does
+    parallel loop by D.7's grouped kernel -> [G, rank]; None where that kernel does
     not apply (no kernel, a batch, a rank or row length it cannot take, or a -128 code
     on AVX2), so that the caller composes the groups.
     Mirrors ds4.c: matvec_q8_0_grouped_rows (l. 3617)"""
@@ -133,7 +133,7 @@ def numba_matvec_q8_0_grouped(w, x) -> np.ndarray | None:
 
 
 def numba_matvec_f16(w, x) -> np.ndarray:
-    """As ds4ref.matvec.matvec_f16, by D.3i's F16_SIMD where the CPU has F16C, else by
+    """As ds4ref.matvec.matvec_f16, by D.10's F16_SIMD where the CPU has F16C, else by
     f16_kernel.
     Mirrors ds4.c: matvec_f16 (l. 2841)"""
     raw = _rows(w, F16)

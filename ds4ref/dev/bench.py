@@ -10,19 +10,24 @@ import json
 import os
 import platform
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numba
 import numpy as np
-from numba import njit, prange
 
 import ds4ref
 from ds4ref.backend import NUMPY
 from ds4ref.ggml_types import GGML_BLOCK, GGMLType
 from ds4ref.quant import quantize_q8_0, quantize_q8_K
-from ds4ref.dev.bench_timing import RESULTS_DIR
+# _parallel_sum re-exported: ds4ref.dev.ladder imports it from here
+from ds4ref.dev.bench_bandwidth import (  # noqa: F401
+    POOL_BYTES,
+    _parallel_sum,
+    bandwidth_floor,
+    median_seconds,
+    read_bandwidth_once,
+)
+from ds4ref.dev.bench_timing import RESULTS_DIR, run_stamp
 
 RESULTS = RESULTS_DIR
 
@@ -93,59 +98,11 @@ def matvec_call(be, kind: str, x: np.ndarray):
     return lambda w: be.matvec_iq2_xxs_pair_q8_K(w[0], w[1], a)
 
 
-def median_seconds(fn, args: list, repeats: int) -> float:
-    """Median wall time of fn(args[i]) over repeats calls, cycling through args (one
-    warm-up call first).
-
-    Mirrors ds4.c: now_sec (l. 511) (its own timing of prefill and decode)"""
-    fn(args[0])
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn(args[(i + 1) % len(args)])
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-@njit(cache=True, fastmath=True)
-def _sum(buf):
-    """A float32 sum that LLVM vectorises (range from 0: no negative-index wraparound
-    code in the loop)."""
-    s = np.float32(0.0)
-    for i in range(buf.shape[0]):
-        s += buf[i]
-    return s
-
-
-@njit(parallel=True, cache=True)
-def _parallel_sum(buf, parts):
-    step = buf.shape[0] // parts.shape[0]
-    for p in prange(parts.shape[0]):
-        parts[p] = _sum(buf[p * step:(p + 1) * step])
-
-
-def read_bandwidth(buf: np.ndarray) -> dict:
-    """GB/s of summing a float32 buffer much larger than the caches: numba on 1 and on
-    all threads, numpy on 1 and 2."""
-    parts = np.zeros(64, np.float32)
-    halves = np.array_split(buf, 2)
-    out = {}
-    with ThreadPoolExecutor(2) as pool:
-        for name, fn in [
-            ("numba_sum_1_thread", lambda: _sum(buf)),
-            ("numba_sum_all_threads", lambda: _parallel_sum(buf, parts)),
-            ("numpy_sum_1_thread", lambda: buf.sum()),
-            ("numpy_sum_2_threads", lambda: list(pool.map(np.sum, halves))),
-        ]:
-            out[name] = buf.nbytes / median_seconds(lambda _: fn(), [None], 5) / 1e9
-    return out
-
-
 def bench_matvec(
     repeats: int = 30,
     backends: tuple[str, ...] = ("numpy", "numba:1", "numba"),
     out: Path | None = None,
-    pool_bytes: int = 192 << 20,
+    pool_bytes: int = POOL_BYTES,
     seed: int = 0,
 ) -> dict:
     """Time each matvec kernel per backend at ds4's shapes; GB/s of weight bytes read,
@@ -155,7 +112,6 @@ def bench_matvec(
     bes = {"numpy": NUMPY, "numba": get_backend("numba", strict=True)}
     all_threads = numba.get_num_threads()
     rng = np.random.default_rng(seed)
-    # 2x the weight pool: far beyond the last-level cache
     buf = np.ones(pool_bytes // 4 * 2, np.float32)
     bandwidth = []
     results = []
@@ -165,7 +121,7 @@ def bench_matvec(
             pool = [(pool[i], pool[i + 1]) for i in range(0, len(pool) - 1, 2)]
         nbytes = sum(w.nbytes for w in (pool[0] if kind == "IQ2_XXS" else [pool[0]]))
         x = rng.standard_normal(n_in).astype(np.float32)
-        bandwidth.append(read_bandwidth(buf))
+        bandwidth.append(read_bandwidth_once(buf))
         for spec in backends:
             name, _, threads = spec.partition(":")
             numba.set_num_threads(int(threads) if threads else all_threads)
@@ -191,11 +147,12 @@ def bench_matvec(
                 }
             )
         del pool
-    bw = {k: float(np.median([b[k] for b in bandwidth])) for k in bandwidth[0]}
-    best = max(bw.values())
+    floor = bandwidth_floor(bandwidth)
+    bw, best = floor["gb_per_s"], floor["best"]
     for r in results:
         r["ratio_to_read_bandwidth"] = r["gb_per_s"] / best
     report = {
+        "commit": run_stamp()["commit"],
         "machine": machine(),
         "load_average": list(os.getloadavg()),
         "read_bandwidth_gb_per_s": bw,

@@ -16,7 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from ds4ref.dev.bench_cuda import bench_cuda_kernels
-from ds4ref.dev.bench_programs import bench_ds4c, bench_llama_cpp, llama_model_path
+from ds4ref.dev.bench_programs import (
+    bench_ds4c,
+    bench_llama_cpp,
+    ds4c_build,
+    llama_cpp_build,
+    llama_model_path,
+)
 from ds4ref.dev.bench_timing import (
     REPO,
     RESULTS_DIR,
@@ -29,7 +35,7 @@ from ds4ref.dev.bench_timing import (
 )
 
 RESULTS = RESULTS_DIR / "engine_bench.json"
-# ds4.c CPU, 2 threads, this machine kind (data/oracle/golden.json)
+# ds4.c CPU, 2 threads, on the oracle's 2-core AVX-512 EPYC VM (data/oracle/README.md)
 DS4C_WIDE_DECODE_TOK_S = (9.13, 9.67)
 ORACLE_MODEL = REPO / "data" / "oracle" / "dev_seed1.gguf"
 
@@ -218,6 +224,9 @@ def main(argv=None) -> dict:
             "wide model: time the real ds4.c in the same run"
         ),
     )
+    ap.add_argument("--ds4c-flags", default=None,
+                    help="the flags tools/ds4c/build.sh was given, if not its defaults "
+                         "(recorded with the run: the binary does not hold them)")
     ap.add_argument("--llama-cpp", type=Path, default=None,
                     help="tools/llama_cpp/build.sh's OUTDIR (or llama-bench) for the "
                          "wide model: time llama.cpp in the same run")
@@ -256,7 +265,7 @@ def main(argv=None) -> dict:
     bw = read_bandwidth()
     print(
         f"read bandwidth: {bw['parallel_gbps']:.1f} GB/s ({bw['threads']} threads), "
-        f"{bw['numpy_1_thread_gbps']:.1f} GB/s (1 thread), medians; best "
+        f"{bw['numpy_1_thread_gbps']:.1f} GB/s (numpy, 1 thread), medians; the floor "
         f"{bw['gbps']:.1f} GB/s"
     )
     rng = random.Random(4242)
@@ -270,6 +279,15 @@ def main(argv=None) -> dict:
         "ds4c_wide_decode_tok_s_2_threads": list(DS4C_WIDE_DECODE_TOK_S),
         "load_average_before": list(os.getloadavg()),
     }
+    # the other programs' sources and flags, which their binaries do not record
+    peers = {}
+    if "wide" in args.models.split(","):
+        if args.ds4c is not None:
+            peers["ds4.c"] = ds4c_build(args.ds4c, args.ds4c_flags)
+        if args.llama_cpp is not None:
+            peers["llama.cpp"] = llama_cpp_build(args.llama_cpp)
+    if peers:
+        results["peers"] = peers
     ratios = {}
     for model in args.models.split(","):
         path = {"bundled": default_model_path, "oracle": lambda: ORACLE_MODEL,
@@ -327,11 +345,12 @@ def main(argv=None) -> dict:
     # other work on a shared machine shows here
     results["load_average_after"] = list(os.getloadavg())
     results["read_bandwidth_end"] = bw_end = read_bandwidth()
-    gbps = max(bw["gbps"], bw_end["gbps"])  # the best reading of the run sets the floor
+    # the start's readings, taken as the matvec bench takes its own: one floor for both
+    gbps = bw["gbps"]
     results["floor_gbps"] = gbps
     print(
-        f"read bandwidth at the end: best {bw_end['gbps']:.1f} GB/s; the floor "
-        f"uses {gbps:.1f} GB/s"
+        f"read bandwidth at the end: {bw_end['gbps']:.1f} GB/s; the floor "
+        f"uses the start's {gbps:.1f} GB/s"
     )
     for model, entry in results["models"].items():
         entry["floor_tok_s"] = gbps * 1e9 / entry["weight_bytes_per_token"]

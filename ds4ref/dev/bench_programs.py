@@ -132,3 +132,82 @@ def bench_llama_cpp(exe, path, prompt_len: int, steps: int, threads: int) -> dic
            "-n", str(steps), "-t", str(threads), "-r", "1", "-o", "json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return llama_bench_row(json.loads(out), threads)
+
+
+# What tools/ds4c/build.sh and tools/llama_cpp/build.sh build by default. Neither
+# binary records its source or its flags, so the engine bench writes these beside its
+# rows ("peers"), with what it can check in the build folder.
+DS4C_COMMIT = "8d576642c39b9a2d782a80159ba84ef5a81c0b81"
+DS4C_FLAGS = ("-O3 -ffast-math -march=native -fno-finite-math-only -D_GNU_SOURCE "
+              "-std=c99 -DDS4_NO_GPU")
+# git blob ids at DS4C_COMMIT of the two headers build.sh copies from the checkout
+DS4C_HEADERS = {"ds4.h": "ab0055da8859f0b350574c3728b1fceb6fbb855e",
+                "ds4_gpu.h": "94be4092cf4541f8b197fc936f2ac8c7918a19ee"}
+LLAMA_CPP_COMMIT = "0c1e57098bba"
+LLAMA_CPP_SDIST = ("llama_cpp_python-0.3.36.tar.gz",
+                   "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+LLAMA_CPP_FLAGS = ("-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON, C and C++ flags "
+                   "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+
+
+def binary_compiler(exe) -> str | None:
+    """The compiler an ELF binary names in its .comment section (e.g. 'GCC: (Debian
+    12.2.0-14) 12.2.0'), read by binutils' readelf; None where it cannot be read."""
+    import re
+    import subprocess
+    try:
+        out = subprocess.run(["readelf", "-p", ".comment", str(exe)],
+                             capture_output=True, text=True).stdout
+    except OSError:
+        return None
+    return "; ".join(dict.fromkeys(re.findall(r"\]\s+(.+?)\s*$", out, re.M))) or None
+
+
+def ds4c_build(exe, flags: str | None = None) -> dict:
+    """What the ds4.c binary `exe` (tools/ds4c/build.sh's OUTDIR or its ds4c_run) was
+    built from: the pinned commit, 'headers_match' whether the ds4.h and ds4_gpu.h that
+    build.sh copied beside it are that commit's, the flags (build.sh's defaults unless
+    `flags` says otherwise) and the compiler the binary names."""
+    import hashlib
+    exe = Path(exe) / "ds4c_run" if Path(exe).is_dir() else Path(exe)
+
+    def blob_id(path: Path) -> str | None:
+        if not path.is_file():
+            return None
+        data = path.read_bytes()
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+    return {"commit": DS4C_COMMIT,
+            "headers_match": all(blob_id(exe.parent / name) == blob
+                                 for name, blob in DS4C_HEADERS.items()),
+            "flags": flags or DS4C_FLAGS,
+            "flags_from": "given" if flags else "tools/ds4c/build.sh's defaults",
+            "compiler": binary_compiler(exe)}
+
+
+def llama_cpp_build(exe) -> dict:
+    """What the llama-bench `exe` (tools/llama_cpp/build.sh's OUTDIR or its binary) was
+    built from: the pinned commit, 'source_match' whether build.sh's OUTDIR holds the
+    sdist of that sha256, the CMake settings of its build/CMakeCache.txt (build.sh's
+    defaults where that is absent) and the compiler the binary names."""
+    import hashlib
+    exe = llama_bench_exe(exe)
+    outdir = exe.parent.parent if exe.parent.name == "bin" else exe.parent
+    sdist, sha = LLAMA_CPP_SDIST
+    source_match = ((outdir / sdist).is_file() and
+                    hashlib.sha256((outdir / sdist).read_bytes()).hexdigest() == sha)
+    cache = outdir / "build" / "CMakeCache.txt"
+    keep = ("CMAKE_BUILD_TYPE", "CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS", "GGML_NATIVE",
+            "GGML_AVX", "GGML_AVX2", "GGML_AVX512", "GGML_FMA", "GGML_F16C",
+            "GGML_BMI2")
+    cmake = {}
+    for line in cache.read_text().splitlines() if cache.is_file() else []:
+        key, _, value = line.partition("=")
+        if key.split(":")[0] in keep:
+            cmake[key.split(":")[0]] = value
+    return {"commit": LLAMA_CPP_COMMIT, "source": f"{sdist} (sha256 {sha[:12]}...)",
+            "source_match": source_match,
+            "flags": cmake or LLAMA_CPP_FLAGS,
+            "flags_from": (str(cache.relative_to(outdir)) if cmake
+                           else "tools/llama_cpp/build.sh's defaults"),
+            "compiler": binary_compiler(exe)}

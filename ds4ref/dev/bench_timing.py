@@ -5,7 +5,6 @@ floor, the median of several rounds and their paired ratios, a decode profile.""
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,48 +32,32 @@ def run_stamp() -> dict:
     return {"date": now.isoformat(timespec="seconds"), "commit": commit}
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> dict:
-    """GB/s of summing a `nbytes` array, median and best of `repeats`: one numpy thread,
-    and all cores through numba when present. 'gbps' is the best reading of either: on a
-    shared machine the floor is what the memory can do when nothing else runs."""
-    a = np.ones(nbytes // 8, np.float64)
-    out = {"bytes": int(a.nbytes)}
-    runs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a.sum()
-        runs.append(a.nbytes / (time.perf_counter() - t) / 1e9)
-    out["numpy_1_thread_gbps"] = statistics.median(runs)
-    out["numpy_1_thread_best_gbps"] = max(runs)
-    try:
-        from numba import get_num_threads, njit, prange
-        from ds4ref.backends.numba_backend import choose_threading_layer
-        choose_threading_layer()  # before this process's first parallel kernel
-
-        @njit(parallel=True, cache=True)
-        def _sum(x):
-            s = 0.0
-            for i in prange(x.shape[0]):
-                s += x[i]
-            return s
-
-        _sum(a[:1024])
-        runs = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            _sum(a)
-            runs.append(a.nbytes / (time.perf_counter() - t) / 1e9)
-        out["parallel_gbps"] = statistics.median(runs)
-        out["parallel_best_gbps"] = max(runs)
-        out["threads"] = get_num_threads()
-    except ImportError:
-        out["parallel_gbps"], out["parallel_best_gbps"] = (
-            out["numpy_1_thread_gbps"],
-            out["numpy_1_thread_best_gbps"],
-        )
-        out["threads"] = 1
-    out["gbps"] = max(out["parallel_best_gbps"], out["numpy_1_thread_best_gbps"])
-    return out
+def read_bandwidth(readings: int = 5) -> dict:
+    """The read-bandwidth floor measured as the matvec bench measures it (appendix E.1):
+    `readings` readings of `read_bandwidth_once` over a float32 buffer twice its weight
+    pool; 'gb_per_s' holds each method's median, 'gbps' the best of them.
+    'parallel_gbps' (numba, all threads) and 'numpy_1_thread_gbps' keep the names of
+    the records written before, which summed a float64 buffer another way."""
+    from numba import get_num_threads
+    from ds4ref.backends.numba_backend import choose_threading_layer
+    choose_threading_layer()  # before this process's first parallel kernel
+    from ds4ref.dev.bench_bandwidth import (
+        POOL_BYTES,
+        bandwidth_floor,
+        read_bandwidth_once,
+    )
+    buf = np.ones(2 * POOL_BYTES // 4, np.float32)
+    floor = bandwidth_floor([read_bandwidth_once(buf) for _ in range(readings)])
+    return {
+        "method": "bench_bandwidth.read_bandwidth_once, as in matvec_bench.json",
+        "bytes": int(buf.nbytes),
+        "readings": readings,
+        "gb_per_s": floor["gb_per_s"],
+        "gbps": floor["best"],
+        "parallel_gbps": floor["gb_per_s"]["numba_sum_all_threads"],
+        "numpy_1_thread_gbps": floor["gb_per_s"]["numpy_sum_1_thread"],
+        "threads": get_num_threads(),
+    }
 
 
 def summarize_rounds(rows: list[dict]) -> dict:

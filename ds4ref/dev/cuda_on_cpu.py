@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -20,6 +21,11 @@ import numpy as np
 from ds4ref.backends.cupy_kernels import kernel_dir
 from ds4ref.dev.cupy_standin import StandinCupy, StandinKernel, StandinModule
 from ds4ref.gguf import DS4RefError
+from ds4ref.backend import NUMPY
+from ds4ref.dev.quantize import quantize
+from ds4ref.ggml_types import GGMLType
+from ds4ref.quant import Q8Act, Q8KAct, quantize_q8_0, quantize_q8_K
+from ds4ref.weights import load_model
 
 RUNTIME = "cuda_on_cpu.h"
 # -ffp-contract=off: a*b + c rounds twice on every CPU (g++ would fuse it into an FMA
@@ -71,17 +77,18 @@ def _inputs(code: str, include_dirs, cmd_head: list[str]) -> str:
     return "\0".join(parts + [code])
 
 
-def build(code: str, include_dirs, defines=()) -> Path:
+def build(code: str, include_dirs, defines=(), extra_flags=()) -> Path:
     """Compile one CUDA source for the CPU into a shared library that exports
     cuda_on_cpu_<kernel>(dims, shared_mem, params, err, errlen) for each of its
-    kernels; the first include folder holds the runtime. Cached by a hash of all
-    inputs, so a source is compiled once.
+    kernels; the first include folder holds the runtime; extra_flags go to the
+    compiler (the sanitizers of F.9). Cached by a hash of all inputs, so a source is
+    compiled once.
 
     Mirrors ds4.c: nothing (ds4.c compiles ds4_cuda.cu with nvcc)"""
     names = kernel_names(code)
     if not names:
         raise CudaOnCpuError('no extern "C" __global__ kernel in the source')
-    flags = [*FLAGS, *(f"-D{d}" for d in defines)]
+    flags = [*FLAGS, *extra_flags, *(f"-D{d}" for d in defines)]
     src = code + "\n" + "".join(f"CUDA_ON_CPU_EXPORT({k})\n" for k in names)
     head = [compiler(), *flags]
     key = hashlib.sha256(_inputs(src, include_dirs, head).encode())
@@ -116,12 +123,14 @@ def _dims(d, what: str) -> tuple[int, int, int]:
 class CpuKernel:
     """One compiled kernel, launched as `kernel(grid, block, args, shared_mem=0)` like
     a cupy.RawKernel. `last` holds what the last launch of its library did: blocks,
-    scheduler passes and switches into fibers.
+    scheduler passes and switches into fibers. With a random generator `order`, each
+    launch runs its blocks in a random order (F.9).
 
     Mirrors ds4.c: nothing (cuLaunchKernel's kernelParams, on a CPU)"""
 
-    def __init__(self, lib, name: str, params: list[str]):
+    def __init__(self, lib, name: str, params: list[str], order=None):
         self.name, self.params, self.lib, self.last = name, params, lib, None
+        self.order = order
         self.fn = getattr(lib, f"cuda_on_cpu_{name}")
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.c_size_t,
@@ -152,6 +161,8 @@ class CpuKernel:
         values = [self._value(a, p) for a, p in zip(args, self.params)]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         dims = (ctypes.c_uint * 6)(*_dims(grid, "grid"), *_dims(block, "block"))
+        if self.order is not None:
+            self._shuffle(dims[:3])
         err = ctypes.create_string_buffer(512)
         failed = self.fn(dims, int(shared_mem), params, err, len(err))
         stats = (ctypes.c_ulonglong * 3)()
@@ -160,16 +171,58 @@ class CpuKernel:
         if failed:
             raise CudaOnCpuError(f"kernel {self.name}: {err.value.decode()}")
 
+    def _shuffle(self, grid):
+        """Hand the library this launch's block order: the k-th block it runs gets
+        the blockIdx of block perm[k]."""
+        gx, gy, gz = grid
+        perm = self.order.permutation(gx * gy * gz)
+        xyz = np.stack([perm % gx, perm // gx % gy, perm // (gx * gy)], 1)
+        xyz = np.ascontiguousarray(xyz, np.uint32)
+        self.lib.cuda_on_cpu_block_order(xyz.ctypes.data_as(ctypes.c_void_p),
+                                         ctypes.c_size_t(len(perm)))
+
+
+# CpuModule(block_order=seed) puts this before the kernels' source. The runtime still
+# runs blocks 0, 1, 2, ... in turn, but the k-th one reads the blockIdx that Python
+# chose for it (CpuKernel._shuffle), so the kernel meets its blocks in a random order.
+BLOCK_ORDER = r"""
+#include <vector>
+#undef blockIdx
+namespace cuda_on_cpu_order {
+inline std::vector<dim3> order;                   // the blockIdx of the k-th block run
+inline dim3 at() {
+    using namespace cuda_on_cpu;
+    const size_t k = block_idx.x + (size_t)grid_dim.x *
+                     (block_idx.y + (size_t)grid_dim.y * block_idx.z);
+    return k < order.size() ? order[k] : block_idx;
+}
+}  // namespace cuda_on_cpu_order
+extern "C" void cuda_on_cpu_block_order(const unsigned *xyz, size_t n) {
+    cuda_on_cpu_order::order.resize(n);
+    for (size_t k = 0; k < n; k++)
+        cuda_on_cpu_order::order[k] = {xyz[3 * k], xyz[3 * k + 1], xyz[3 * k + 2]};
+}
+#define blockIdx (cuda_on_cpu_order::at())
+"""
+
 
 class CpuModule:
     """cupy.RawModule(code=..., options=...) for the CPU: the -I folders of options are
     searched (the other options are NVRTC's and ignored), the runtime comes from
     ds4ref's kernel folder; compiled at compile() or at the first get_function.
+    extra_flags go to the compiler; block_order=seed runs every launch's blocks in a
+    random order drawn from that seed.
 
     Mirrors ds4.c: nothing (a test instrument)"""
 
-    def __init__(self, code: str, options=(), defines=()):
-        self.code, self.defines, self.lib = code, tuple(defines), None
+    def __init__(self, code: str, options=(), defines=(), extra_flags=(),
+                 block_order=None):
+        self.defines, self.flags, self.lib = tuple(defines), tuple(extra_flags), None
+        self.order = None
+        if block_order is not None:
+            self.order = np.random.default_rng(block_order)
+            code = BLOCK_ORDER + code
+        self.code = code
         self.include_dirs = [o[2:] for o in options if o.startswith("-I")]
         self.sigs = kernel_names(code)
 
@@ -177,14 +230,14 @@ class CpuModule:
         if self.lib is None:
             with resources.as_file(kernel_dir()) as runtime_dir:
                 so = build(self.code, [str(runtime_dir), *self.include_dirs],
-                           self.defines)
+                           self.defines, self.flags)
             self.lib = ctypes.CDLL(str(so))
 
     def get_function(self, name: str) -> CpuKernel:
         if name not in self.sigs:
             raise CudaOnCpuError(f"no kernel {name!r} in the source")
         self.compile()
-        return CpuKernel(self.lib, name, self.sigs[name])
+        return CpuKernel(self.lib, name, self.sigs[name], self.order)
 
 
 class SourceKernel(StandinKernel):
@@ -200,11 +253,11 @@ class SourceKernel(StandinKernel):
 
 
 class SourceModule(StandinModule):
-    """The stand-in's RawModule, compiled for the CPU (CpuModule)."""
+    """The stand-in's RawModule, compiled for the CPU (CpuModule, with its options)."""
 
-    def __init__(self, code: str, options, cp):
+    def __init__(self, code: str, options, cp, **cpu_options):
         super().__init__(code, cp)
-        self.cpu = CpuModule(code, options)
+        self.cpu = CpuModule(code, options, **cpu_options)
 
     def compile(self):
         self.cpu.compile()
@@ -213,11 +266,125 @@ class SourceModule(StandinModule):
         return SourceKernel(name, self.sigs[name], self.cp, self.cpu.get_function(name))
 
 
-def source_standin() -> StandinCupy:
+def source_standin(extra_flags=(), block_order=None) -> StandinCupy:
     """Chapter 9's stand-in `cupy` (numpy behind a counting device boundary) whose
-    RawModules run the kernels' CUDA source on the CPU.
+    RawModules run the kernels' CUDA source on the CPU (built with extra_flags, blocks
+    in a random order with block_order=seed: see CpuModule).
 
     Mirrors ds4.c: nothing (a test instrument)"""
     cp = StandinCupy()
-    cp.RawModule = lambda code, options=(): SourceModule(code, options, cp)
+    opts = dict(extra_flags=extra_flags, block_order=block_order)
+    cp.RawModule = lambda code, options=(): SourceModule(code, options, cp, **opts)
     return cp
+
+
+def _q8(ops, key):
+    return Q8Act(ops[key + ".qs"], ops[key + ".d"])
+
+
+def _q8k(ops, key):
+    return Q8KAct(ops[key + ".qs"], ops[key + ".d"], ops[key + ".bsums"])
+
+
+def _layer_runs(be, ops, cfg, L, il: int, p: int):
+    """(kernel, ours, ds4.c's) for the matvecs, norm, RoPE and pooling of one
+    recorded layer and position."""
+    K, ratio = f"L{il}.P{p}.", cfg.compress_ratio(il)
+    yield ("matvec_q8_0_q8_0",
+           be.matvec_q8_0_prequant(L.attn_q_b, _q8(ops, K + "q8.attn_q_b")),
+           ops[K + "q_b"].ravel())                       # [n_head * head_dim]
+    yield ("matvec_f16_f32", be.matvec_f16(L.ffn_gate_inp, ops[K + "ffn_norm"]),
+           ops[K + "router_logits"])
+    for s, e in enumerate(ops[K + "exp_ids"]):           # the six experts, one by one
+        g, u = be.matvec_iq2_xxs_pair_q8_K(L.ffn_gate_exps.expert(e),
+                                           L.ffn_up_exps.expert(e),
+                                           _q8k(ops, K + "q8k.ffn_gate_up_exps"))
+        yield ("matvec_iq2_xxs_pair_q8_K", np.stack([g, u]),
+               np.stack([ops[K + "exp_gate"][s], ops[K + "exp_up"][s]]))
+        row = Q8KAct(*(f[s] for f in _q8k(ops, K + "q8k.ffn_down_exps")))
+        yield ("matvec_q2_K_q8_K", be.matvec_q2_K_q8_K(L.ffn_down_exps.expert(e), row),
+               ops[K + "exp_down"][s])
+    yield ("rms_norm_rows", be.rms_norm_rows(ops[K + "attn_x"], L.attn_norm.numpy()),
+           ops[K + "attn_norm"])
+    yield ("rope_tail", be.rope_tail(ops[K + "q_normed"], p, cfg, ratio),
+           ops[K + "q_rope"])
+    if K + "comp_state_kv" in ops:
+        state = ops[K + "comp_state_kv"], ops[K + "comp_state_score"]
+        yield ("compressor_pool", be.compressor_pool(*state, cfg.head_dim, ratio),
+               ops[K + "comp_pooled"])
+
+
+def _attention_run(be, ops, L, K: str):
+    """(kernel, ours, ds4.c's) for the sink attention of one recorded layer and
+    position (K = "L{il}.P{p}.")."""
+    raw = ops[K + "cache_raw"]                           # [n_raw, head_dim]
+    comp, allowed = raw[:0], None                        # [n_comp, head_dim]
+    if K + "cache_comp" in ops:
+        comp = ops[K + "cache_comp"]
+        if K + "comp_allowed" in ops:
+            allowed = ops[K + "comp_allowed"].astype(bool)
+    heads = be.attention(ops[K + "q_rope"], raw, comp, L.attn_sinks, allowed)
+    return "sink_attention", heads, ops[K + "heads"]
+
+
+def oracle_runs(be, oracle_dir):
+    """(kernel, ours, ds4.c's) for every kernel of a CupyBackend `be` on ds4.c's
+    recorded inputs: ops_A, layers 1, 3, 4 at positions 1, 67, 131, 299.
+
+    Mirrors ds4.c: nothing (a test instrument)"""
+    oracle_dir = Path(oracle_dir)
+    ops = np.load(oracle_dir / "ops_A.npz")
+    _, cfg, W = load_model(oracle_dir / "dev_seed1.gguf")
+    for il in (1, 3, 4):
+        for p in (1, 67, 131, 299):
+            yield from _layer_runs(be, ops, cfg, W.layers[il], il, p)
+            yield _attention_run(be, ops, W.layers[il], f"L{il}.P{p}.")
+
+
+def wide_runs(be, seed: int = 0):
+    """(kernel, ours, numpy's) for the matvec kernels of a CupyBackend `be` on 302
+    random rows of 1024 values (every lane busy) and 1 or 4 tokens, and for the sink
+    attention over 300 cached rows of 512.
+
+    Mirrors ds4.c: nothing (a test instrument)"""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((302, 1024)).astype(np.float32)
+    x = rng.standard_normal((4, 1024)).astype(np.float32)
+    raw = quantize(w, GGMLType.Q8_0)
+    for a in (quantize_q8_0(x[:1]), quantize_q8_0(x)):
+        name = "matvec_q8_0_q8_0" if a.d.shape[0] == 1 else "matmul_q8_0_q8_0"
+        yield name, be.matvec_q8_0_prequant(raw, a), NUMPY.matvec_q8_0_prequant(raw, a)
+    raw = w.astype(np.float16).view(np.uint8)
+    yield "matvec_f16_f32", be.matvec_f16(raw, x), NUMPY.matvec_f16(raw, x)
+    a = quantize_q8_K(x)
+    raw = quantize(w, GGMLType.IQ2_XXS)
+    pair = be.matvec_iq2_xxs_pair_q8_K(raw, raw, a)
+    yield ("matvec_iq2_xxs_pair_q8_K", np.stack(pair),
+           np.stack(NUMPY.matvec_iq2_xxs_pair_q8_K(raw, raw, a)))
+    raw = quantize(w, GGMLType.Q2_K)
+    yield ("matvec_q2_K_q8_K", be.matvec_q2_K_q8_K(raw, a),
+           NUMPY.matvec_q2_K_q8_K(raw, a))
+    q = rng.standard_normal((8, 512)).astype(np.float32)
+    kv = rng.standard_normal((300, 512)).astype(np.float32)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    yield ("sink_attention", be.attention(q, kv, kv[:0], sinks),
+           NUMPY.attention(q, kv, kv[:0], sinks))
+
+
+SANITIZERS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g")
+
+
+def sanitized_python(code: str, *args) -> subprocess.CompletedProcess:
+    """Run `python -c code args` with AddressSanitizer's runtime preloaded, which a
+    library built with SANITIZERS needs. A report ends its stderr, and then its exit
+    status is not 0.
+
+    Mirrors ds4.c: nothing (a test instrument)"""
+    found = subprocess.run([compiler(), "-print-file-name=libasan.so"],
+                           capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(found):
+        raise CudaOnCpuError(f"{compiler()} has no libasan.so: install its sanitizer "
+                             "runtime (Debian: libgcc-12-dev), or set CXX to a g++")
+    env = dict(os.environ, LD_PRELOAD=found, ASAN_OPTIONS="detect_leaks=0")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, env=env)

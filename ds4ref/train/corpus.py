@@ -9,7 +9,10 @@ import ast
 import hashlib
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
+
+import numpy as np
 
 SKIP_DIRS = {
     "test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3",
@@ -68,3 +71,37 @@ def corpus_record(docs: list[str]) -> dict:
         chars=len(text),
         sha256=hashlib.sha256(text.encode()).hexdigest(),
     )
+
+
+def corpus_snapshot(tok, root=None) -> dict:
+    """The corpus as B.9 counts it, without its text: the training and held-out
+    streams (BOS doc EOS ..., as `token_stream` builds them), and for every document
+    its file (an index into `files`, paths below the library's root), its tokens in
+    its stream and whether it has a doctest; sha256 is `corpus_record`'s."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    per_file = [(p, ds) for p in stdlib_files(root) if (ds := docstrings(p))]
+    docs = [d for _, ds in per_file for d in ds]
+    ids = [[0, *tok.encode(d), 1] for d in docs]
+    assert max(map(len, ids)) < 2**16 and len(tok.tokens) <= 2**16   # fit uint16
+    held = [i % HELDOUT_EVERY == HELDOUT_EVERY - 1 for i in range(len(docs))]
+    return dict(
+        sha256=np.array(corpus_record(docs)["sha256"]),
+        files=np.array([p.relative_to(root).as_posix() for p, _ in per_file]),
+        doc_file=np.repeat(np.arange(len(per_file), dtype=np.uint16),
+                           [len(ds) for _, ds in per_file]),
+        doc_tokens=np.array([len(x) for x in ids], np.uint16),
+        doc_doctest=np.array([">>>" in d for d in docs]),
+        train=np.array([t for x, h in zip(ids, held) if not h for t in x], np.uint16),
+        heldout=np.array([t for x, h in zip(ids, held) if h for t in x], np.uint16),
+    )
+
+
+def write_snapshot(path, snap: dict) -> None:
+    """np.savez_compressed's format with fixed timestamps: the same arrays give the
+    same file."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, x in snap.items():
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with z.open(info, "w") as f:
+                np.lib.format.write_array(f, np.asarray(x), allow_pickle=False)

@@ -48,3 +48,48 @@ def unigram_perplexity(tokens) -> float:
     _, counts = np.unique(t, return_counts=True)
     p = counts / counts.sum()
     return float(np.exp(-(counts * np.log(p)).sum() / counts.sum()))
+
+
+def _keys(tokens: np.ndarray, n: int, n_vocab: int) -> np.ndarray:
+    """Each window of n tokens as one integer in base n_vocab: int64 [len - n + 1]."""
+    k = np.zeros(len(tokens) - n + 1, np.int64)
+    for j in range(n):
+        k = k * n_vocab + tokens[j : len(tokens) - n + 1 + j]
+    return k
+
+
+def _lookup(table, q: np.ndarray) -> np.ndarray:
+    """The count of each key of q in table = (sorted unique keys, their counts)."""
+    keys, counts = table
+    i = np.minimum(np.searchsorted(keys, q), len(keys) - 1)
+    return np.where(keys[i] == q, counts[i], 0)
+
+
+def ngram_nll(train, tokens, order: int, n_vocab: int,
+              smoothing: str = "witten-bell") -> np.ndarray:
+    """-log p(tokens[i] | up to order - 1 tokens before it) for every i >= 1, from the
+    counts of the training tokens: float64 [len(tokens) - 1].
+
+    The unigram is add-one. Above it, "add-one" gives the top order (c + 1) /
+    (c_context + V); "witten-bell" interpolates every order with the one below,
+    (c + t p_lower) / (c_context + t), t = the distinct tokens seen after the
+    context."""
+    train = np.asarray(train, np.int64)
+    tokens = np.asarray(tokens, np.int64)
+    unigram = np.bincount(train, minlength=n_vocab)
+    p = (unigram[tokens[1:]] + 1.0) / (len(train) + n_vocab)
+    for n in range(2, order + 1):
+        grams = _keys(train, n, n_vocab)
+        seen = np.unique(grams, return_counts=True)
+        contexts = np.unique(grams // n_vocab, return_counts=True)
+        successors = (contexts[0], np.unique(seen[0] // n_vocab, return_counts=True)[1])
+        q = _keys(tokens, n, n_vocab)           # predicts tokens[n - 1:], p[n - 2:]
+        c, c_ctx = _lookup(seen, q), _lookup(contexts, q // n_vocab)
+        if smoothing == "add-one":
+            p[n - 2 :] = (c + 1.0) / (c_ctx + n_vocab)
+        else:
+            t = _lookup(successors, q // n_vocab)
+            lower = p[n - 2 :]
+            mixed = (c + t * lower) / np.maximum(c_ctx + t, 1)
+            p[n - 2 :] = np.where(c_ctx > 0, mixed, lower)   # unseen context: lower
+    return -np.log(p)

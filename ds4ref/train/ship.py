@@ -18,7 +18,8 @@ from ds4ref.ggml_types import GGMLType as T
 from ds4ref.gguf import GGUFFile
 from ds4ref.mtp import mtp_tensor_specs
 from ds4ref.quant import dequantize
-from ds4ref.train.corpus import corpus_record, split_documents, stdlib_docstrings
+from ds4ref.train.corpus import (corpus_record, corpus_snapshot, split_documents,
+                                 stdlib_docstrings, write_snapshot)
 from ds4ref.train.export import roundtrip, tensor_type, write_trained, write_trained_mtp
 from ds4ref.train.loop import Recipe, build_tokenizer, token_stream
 from ds4ref.train.model import DS4Torch, rope_tables
@@ -141,8 +142,8 @@ def heldout_file_docs(tok, held_docs) -> list[str]:
 
 
 def ship(run_dir, model_dir, data_dir, results_path, log=print) -> dict:
-    """Write the GGUFs and heldout.txt, measure the quantization table and the held-out
-    perplexity; return and write the record."""
+    """Write the GGUFs, heldout.txt and corpus_streams.npz, measure the quantization
+    table and the held-out perplexity; return and write the record."""
     from ds4ref.train.perplexity import perplexity, sequence_nll, unigram_perplexity
 
     run_dir, model_dir, data_dir = Path(run_dir), Path(model_dir), Path(data_dir)
@@ -161,6 +162,7 @@ def ship(run_dir, model_dir, data_dir, results_path, log=print) -> dict:
     data_dir.mkdir(parents=True, exist_ok=True)
     heldout = "\n\n\n".join(heldout_file_docs(tok, held_docs)) + "\n"
     (data_dir / "heldout.txt").write_text(heldout)
+    write_snapshot(data_dir / "corpus_streams.npz", corpus_snapshot(tok))   # B.9
     held = token_stream(tok, held_docs)
     specs = {s.name: s for s in list(tensor_specs(cfg)) + mtp_tensor_specs(cfg)}
     shipped = gguf_state(main, mtp).items()
