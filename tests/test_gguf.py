@@ -291,7 +291,7 @@ def test_synthetic_model_is_generated_once_and_validates(tmp_path, monkeypatch):
 
 def test_model_summary_of_oracle(oracle_gguf):
     s = ds4ref.model_summary(oracle_gguf)
-    assert "ds4-tiny-synthetic-seed1" in s and "compress ratios [0, 0, 4, 128, 4, 128]" in s
+    assert "ds4-tiny-synthetic-seed1" in s and "compress ratios 0 x2, (4, 128) x2; indexer" in s
     assert re.search(r"Q8_0 +49 tensors +4.14 MB", s) and re.search(r"F32 +66 tensors", s)
 
 
