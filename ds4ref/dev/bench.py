@@ -19,10 +19,8 @@ import ds4ref
 from ds4ref.backend import NUMPY
 from ds4ref.ggml_types import GGML_BLOCK, GGMLType
 from ds4ref.quant import quantize_q8_0, quantize_q8_K
-# _parallel_sum re-exported: ds4ref.dev.ladder imports it from here
-from ds4ref.dev.bench_bandwidth import (  # noqa: F401
+from ds4ref.dev.bench_bandwidth import (
     POOL_BYTES,
-    _parallel_sum,
     bandwidth_floor,
     median_seconds,
     read_bandwidth_once,

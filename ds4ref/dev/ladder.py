@@ -6,6 +6,7 @@ book/results/kernel_ladder.json."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -32,9 +33,10 @@ LADDER_SHAPES = [("Q8_0", 4096, 1024, "attn_q_a"), ("IQ2_XXS", 4096, 2048,
 BYTES_PER_WEIGHT = {"Q8_0": 34 / 32, "IQ2_XXS": 66 / 256, "Q2_K": 84 / 256, "F16": 2.0}
 
 
+@functools.cache
 def _no_slp(kernel):
     """A copy of a portable kernel compiled as numba does by default (LLVM's SLP
-    vectorizer off): the rung below D.2's."""
+    vectorizer off): the rung below D.2's. Made once, so it compiles once."""
     return numba.njit(parallel=True)(kernel.py_func)
 
 

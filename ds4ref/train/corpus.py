@@ -83,7 +83,7 @@ def corpus_snapshot(tok, root=None) -> dict:
     docs = [d for _, ds in per_file for d in ds]
     ids = [[0, *tok.encode(d), 1] for d in docs]
     assert max(map(len, ids)) < 2**16 and len(tok.tokens) <= 2**16   # fit uint16
-    held = [i % HELDOUT_EVERY == HELDOUT_EVERY - 1 for i in range(len(docs))]
+    train, held = split_documents(ids)              # the documents' own split
     return dict(
         sha256=np.array(corpus_record(docs)["sha256"]),
         files=np.array([p.relative_to(root).as_posix() for p, _ in per_file]),
@@ -91,8 +91,8 @@ def corpus_snapshot(tok, root=None) -> dict:
                            [len(ds) for _, ds in per_file]),
         doc_tokens=np.array([len(x) for x in ids], np.uint16),
         doc_doctest=np.array([">>>" in d for d in docs]),
-        train=np.array([t for x, h in zip(ids, held) if not h for t in x], np.uint16),
-        heldout=np.array([t for x, h in zip(ids, held) if h for t in x], np.uint16),
+        train=np.array([t for x in train for t in x], np.uint16),
+        heldout=np.array([t for x in held for t in x], np.uint16),
     )
 
 
