@@ -26,11 +26,13 @@ check-tangle: $(STAMP)
 run-chapters: $(STAMP)
 	$(VPY) tools/nb.py run book/[0-9][0-9]_*.ipynb
 
-## the main job: build the book offline (warnings are errors), then generate on the bundled model
+## the main job: build the book offline (warnings are errors), English in _build/html/ and
+## the Chinese edition in _build/html/zh/, then generate on the bundled model
 ## (a docstring model: --raw skips the chat template it never saw)
 book: $(STAMP)
 	$(VPY) tools/tangle.py --check
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	$(VPY) tools/zh.py build
 	$(VPY) -m ds4ref --raw -p "Return a" -n 32 --temp 0
 
 ## every test: unit and oracle tests, the drift check, and nbval over every chapter

@@ -6,7 +6,7 @@ from ds4ref.config import ModelConfig
 from ds4ref.weights import LayerWeights, Tensor, Weights, bind_weights, load_model
 from ds4ref.cli import model_summary
 # write_model and synthetic_model_path load ds4ref.dev.writer (its corpus, its BPE
-# trainer) on first use: see _LAZY (chapter 08), which keeps `import ds4ref` light
+# trainer) on first use: see _LAZY, which keeps `import ds4ref` light
 
 
 _LAZY = {

@@ -179,7 +179,7 @@ class NumpyBackend:
         """y = W x [..., rows] by the matvec of W's type (QUANT_TYPES), x quantized to
         the row's activation first (a Q8Act is taken as it is: one quantization for
         several Q8_0 weights).
-        Mirrors ds4.c: matvec_any (l. 3770)"""
+        Mirrors ds4.c: matvec_any (l. 3771)"""
         q = quant_type(w)
         matvec = getattr(self, q.matvec)
         if isinstance(x, Q8Act) and q.activation == "Q8_0":

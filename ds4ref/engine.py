@@ -21,10 +21,10 @@ from ds4ref.tokenizer import Tokenizer
 
 
 def resolve_backend(backend):
-    """A backend object from a name ("numpy", "auto" or another name chapter 09's
+    """A backend object from a name ("numpy", "auto" or another name
     get_backend knows) or an object.
 
-    "auto" takes a backend verified on this kind of hardware (chapter 09's
+    "auto" takes a backend verified on this kind of hardware (by
     choose_backend) and says which on stderr."""
     if not isinstance(backend, str):
         return backend
@@ -54,8 +54,8 @@ class Engine:
         self.path, self.gguf, self.cfg, self.weights = path, gguf, cfg, weights
         self.tokenizer, self.backend = tokenizer, backend
 
-    steering = None      # a chapter-11 Steering (directional steering), or None
-    mtp = None           # a chapter-11 MTPModel (the MTP draft block), or None
+    steering = None      # a Steering (directional steering), or None
+    mtp = None           # an MTPModel (the MTP draft block), or None
     mtp_draft_tokens, mtp_margin = 1, 3.0
     model = None         # chapter 8's Model on the backend: sessions run it
     ctx_size, resident = 1024, False

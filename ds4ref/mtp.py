@@ -56,7 +56,7 @@ def mtp_tensor_specs(cfg) -> list[TensorSpec]:
 class MTPWeights:
     """The MTP GGUF's tensors: input projections and norms, the head, one block.
 
-    Mirrors ds4.c: ds4_mtp_weights (l. 2106)"""
+    Mirrors ds4.c: ds4_mtp_weights (l. 2107)"""
     e_proj: Tensor
     h_proj: Tensor
     enorm: Tensor
@@ -163,7 +163,7 @@ def decode_rows(model, cache, tokens, pos0: int, stop=None):
     [T, n_hc, n_embd]; stop(i, logits_i) -> True ends it after token i.
 
     The verifier where a backend's batch path differs from its decode path in the last
-    ulp (numba's fused SiLU, chapter 9): greedy stays exact, without the batch's speed.
+    ulp (numba's fused SiLU): greedy stays exact, without the batch's speed.
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703), in a loop"""
     logits, states = [], []
     for i, t in enumerate(tokens):

@@ -236,11 +236,10 @@ def unpack_q2_K(raw):
     qs = b["qs"].reshape(*b.shape, 2, 32)
     # [.., nb, half, j, l]
     q = np.empty(b.shape + (2, 4, 32), np.uint8)
-    # one scalar shift per bit pair (numpy
+    # one scalar shift per bit pair: numpy vectorises these, a shift by an array of
+    # amounts it does not
     for j in range(4):
-        # vectorises these; a shift by an array
         np.right_shift(qs, 2 * j, out=q[..., j, :])
-    # of amounts it does not)
     q &= 3
     return (
         b["scales"] & 15,

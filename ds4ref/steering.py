@@ -19,7 +19,7 @@ class SteeringError(DS4RefError, ValueError):
 def load_directions(path, cfg) -> np.ndarray:
     """The direction file: float32 [n_layer, n_embd], little-endian, no header.
 
-    Mirrors ds4.c: read_f32_binary_file (l. 571), called by
+    Mirrors ds4.c: read_f32_binary_file (l. 572), called by
     cpu_load_directional_steering (l. 14419)"""
     path = Path(path)
     want = cfg.n_layer * cfg.n_embd * 4

@@ -91,25 +91,44 @@ def gaps(nb_path: Path) -> dict[str, list[int]]:
 
 
 # What a translation must carry over unchanged from the English it translates.
-FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+FENCE = re.compile(r"^[ \t]*(`{3,})(.*?)\n(.*?)^[ \t]*\1[ \t]*$", re.S | re.M)
 DISPLAY_MATH = re.compile(r"\$\$.*?\$\$", re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 ROLE = re.compile(r"\{(?:ref|numref|doc|eq)\}`[^`<]*?<?([^`<>]+)>?`")
-CODE = re.compile(r"`([^`\n]+)`")
+CODE = re.compile(r"`([^`]+)`")  # a code span may wrap onto the next line
 INLINE_MATH = re.compile(r"(?<![\\$])\$([^$\n]+?)\$")
 HEADING = re.compile(r"^(#{1,6}) ", re.M)
 
 
+def _fences(md: str) -> tuple[list[str], str]:
+    """Code blocks verbatim, and the text outside them. A MyST directive (```{note}) is
+    not code: its name and options must stay, its body is text to translate."""
+    kept = []
+
+    def one(m):
+        info, body = m[2].strip(), m[3]
+        if not info.startswith("{"):
+            kept.append("\n".join(x.strip() for x in m[0].split("\n")))
+            return ""
+        options = [x.strip() for x in body.split("\n") if x.strip().startswith(":")]
+        kept.append(info.split("}")[0] + "} " + " ".join(options))
+        inner, text = _fences("\n".join(x for x in body.split("\n")
+                                         if not x.strip().startswith(":")))
+        kept.extend(inner)
+        return text
+    text = FENCE.sub(one, md)
+    return kept, text
+
+
 def structure(md: str) -> dict:
-    fences = FENCE.findall(md)
-    rest = FENCE.sub("", md)
+    fences, rest = _fences(md)
     display = DISPLAY_MATH.findall(rest)
     rest = DISPLAY_MATH.sub("", rest)
     roles = ROLE.findall(rest)
     rest_nr = ROLE.sub("", rest)
     return {"code blocks": fences, "display math": sorted(display),
             "links": sorted(LINK.findall(rest)), "refs": sorted(roles),
-            "code spans": sorted(set(CODE.findall(rest_nr))),
+            "code spans": sorted(set(" ".join(c.split()) for c in CODE.findall(rest_nr))),
             "inline math": sorted(set(m.strip() for m in INLINE_MATH.findall(
                 CODE.sub("", rest_nr)))),
             "headings": [len(h) for h in HEADING.findall(rest)]}

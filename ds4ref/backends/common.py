@@ -23,7 +23,7 @@ FUSED_PARTIAL = dict(FUSED_EXPERT_CASES)
 def unfused_experts(be, op: str, w3):
     """None when be's fused kernel for op runs w3's type; else numpy's reference of op
     over be's own row matvecs (UnimplementedOpError in strict mode).
-    Mirrors ds4.c: routed_expert_block_bytes (l. 2302) (the types ds4.c accepts)"""
+    Mirrors ds4.c: routed_expert_block_bytes (l. 2301) (the types ds4.c accepts)"""
     if int(w3.ggml_type) in FUSED_EXPERT_TYPES[op]:
         return None
     return be.reference(op, FUSED_EXPERT_CASES[op])

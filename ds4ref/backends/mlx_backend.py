@@ -65,7 +65,7 @@ class MlxBlocks(NumpyBackend):
         """Raw rows uint8 [rows, row_bytes] of one type in the layout its kernel reads:
         Q8_0 (int8 codes [rows, nb, 32], float32 scales [rows, nb]), F16 float16
         [rows, n], F32 float32 [rows, n], a K-quant or IQ2_XXS [rows, nb, block_bytes].
-        Mirrors ds4.c: model_open's mmap (l. 1196): weights stay in the file's format"""
+        Mirrors ds4.c: model_open's mmap (l. 1221): weights stay in the file's format"""
         mx, q = self.mx, quant_type(ggml_type)
         rows = raw.shape[0]
         if ggml_type == GGMLType.Q8_0:

@@ -140,7 +140,7 @@ def _q2_K_row_simd(block, w, r, yq, yd, ybs, t, lut):
     return acc
 
 
-# Twins on purpose (here, for IQ2_XXS below and in chapter 9's expert kernels): a kernel
+# Twins on purpose (here, for IQ2_XXS below and in the fused expert kernels): a kernel
 # that took its block function as an argument, or a closure made per block function,
 # compiles, but numba keys its disk cache on that function object and never hits it, so
 # it would recompile (tens of seconds) in every process; and one kernel cannot branch
@@ -181,7 +181,7 @@ def host_simd() -> frozenset:
     those of the level DS4REF_SIMD names (SIMD_LEVELS; unset: all). Where numba
     compiles for another target (NUMBA_CPU_NAME), that target's NUMBA_CPU_FEATURES
     decide, and none without them; none where the features cannot be read. The one CPU
-    probe of ds4ref (chapter 9's fused kernels use it too).
+    probe of ds4ref (the fused kernels use it too).
     Mirrors ds4.c: ds4_vec_dot_q2_K_q8_K (l. 1772) (which picks its NEON path at compile
     time)"""
     level = os.environ.get("DS4REF_SIMD", "avx512").strip().lower()
