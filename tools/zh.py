@@ -26,7 +26,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
-from edition import (cell_key, current_translations, format_translations,  # noqa: E402
+from edition import (cell_key, current, format_translations,  # noqa: E402
                      parse_translations)
 
 LOCALE = ROOT / "locale" / "zh"
@@ -78,10 +78,9 @@ def sync(nb_path: Path) -> None:
 
 def gaps(nb_path: Path) -> dict[str, list[int]]:
     """Markdown cells of a chapter without a current translation, by reason."""
-    table = current_translations(translation_path(nb_path))
     path = translation_path(nb_path)
-    stale = {b["key"] for b in parse_translations(path.read_text())
-             if b["stale"]} if path.exists() else set()
+    blocks = parse_translations(path.read_text()) if path.exists() else []
+    table, stale = current(blocks), {b["key"] for b in blocks if b["stale"]}
     out = {"stale": [], "missing": []}
     for i, en in english_cells(nb_path):
         key = cell_key(en)

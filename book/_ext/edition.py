@@ -61,12 +61,15 @@ def format_translations(blocks: list[dict]) -> str:
     return "\n".join(out)
 
 
-def current_translations(path: Path) -> dict[str, str]:
+def current(blocks: list[dict]) -> dict[str, str]:
     """key -> Chinese text, for the blocks that translate the English they quote."""
-    if not path.exists():
-        return {}
-    return {b["key"]: b["zh"] for b in parse_translations(path.read_text())
+    return {b["key"]: b["zh"] for b in blocks
             if b["zh"] and not b["stale"] and cell_key(b["en"]) == b["key"]}
+
+
+def current_translations(path: Path) -> dict[str, str]:
+    """current() of a translation file (none if it does not exist)."""
+    return current(parse_translations(path.read_text())) if path.exists() else {}
 
 
 def translate_notebook(nb: dict, table: dict[str, str]) -> list[int]:
