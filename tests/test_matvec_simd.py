@@ -96,9 +96,12 @@ from ds4ref.quant import IQ2_XXS  # noqa: E402
 IQ2_KERNELS = ns.simd_kernels(ns.IQ2_XXS_BYTE_DOT)
 
 
-def iq2_pair(kernel, signs, wg, wu, a: Q8KAct):
+def iq2_pair(kernel, wg, wu, a: Q8KAct):
+    """(gate, up) of a pair kernel: the portable one reads ds4's sign table, the byte-dot one
+    spreads the signs from the block's own bits."""
     g, u = (np.empty((len(a.qs), wg.shape[0]), np.float32) for _ in range(2))
-    nk.run_kernel(kernel, wg, wu, np.ascontiguousarray(a.qs), a.d, nk.IQ2XXS_GRID, signs, nk.F16_TO_F32, g, u)
+    tables = (nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS) if kernel is nk.iq2_xxs_pair_kernel else (nk.IQ2XXS_GRID,)
+    nk.run_kernel(kernel, wg, wu, np.ascontiguousarray(a.qs), a.d, *tables, nk.F16_TO_F32, g, u)
     return g, u
 
 
@@ -109,10 +112,26 @@ def iq2_xxs_rows(rng, rows: int, n: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def test_sign_masks_are_the_sign_table():
-    assert ns.IQ2XXS_SIGN_MASKS.shape == (1024,) and ns.IQ2XXS_SIGN_MASKS.dtype == np.uint8
-    assert np.array_equal(ns.IQ2XXS_SIGN_MASKS.view(np.int8), np.where(nk.IQ2XXS_SIGNS < 0, -1, 0))
+def test_grid_fits_the_byte_dot():
     assert set(np.unique(nk.IQ2XXS_GRID)) == {8, 25, 43}         # vpmaddubsw pairs <= 2 * 43 * 127
+
+
+@pytest.mark.parametrize("kernel", IQ2_KERNELS, ids=lambda k: k.__name__)
+def test_iq2_sign_spread_is_the_sign_table(kernel):
+    """Row s has every 7-bit sign field equal to s (s = 0..127), so each of its weights reads sign row s of
+    ds4's ksigns table, parity bit included; the spread in registers must give the portable kernel's bits."""
+    rng = np.random.default_rng(17)
+    rows = iq2_xxs_rows(rng, 128, 1024).reshape(128, 4, 66)
+    s = np.arange(128, dtype=np.uint32)[:, None, None]
+    scale = rng.integers(0, 16, (128, 4, 8), dtype=np.uint32)
+    words = s | (s << 7) | (s << 14) | (s << 21) | (scale << 28)              # [128, 4 blocks, 8 groups]
+    qs = rows[..., 2:].reshape(128, 4, 8, 8)
+    qs[..., 4:] = words[..., None].view(np.uint8).reshape(128, 4, 8, 4)
+    wg = np.ascontiguousarray(rows.reshape(128, -1))
+    wu = np.ascontiguousarray(wg[::-1])
+    a = quantize_q8_K(rng.standard_normal((2, 1024)).astype(np.float32))
+    got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, wg, wu, a)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
 def test_q8_K_codes_never_reach_minus_128():
@@ -137,7 +156,7 @@ def test_iq2_simd_equals_plain_kernel_on_ds4_experts(kernel, model, ops_A):
         e = int(ops_A[f"L{il}.P{p}.exp_ids"][0])
         wg = np.ascontiguousarray(weight_rows(lw.ffn_gate_exps.expert(e), IQ2_XXS))
         wu = np.ascontiguousarray(weight_rows(lw.ffn_up_exps.expert(e), IQ2_XXS))
-        got, want = iq2_pair(kernel, ns.IQ2XXS_SIGN_MASKS, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, nk.IQ2XXS_SIGNS, wg, wu, a)
+        got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, wg, wu, a)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), il
 
 
@@ -152,7 +171,7 @@ def test_iq2_simd_equals_plain_kernel_on_extreme_blocks(kernel):
                   rng.integers(-127, 128, (3, 2048), dtype=np.int8)).astype(np.int8)
     a = Q8KAct(qs, rng.uniform(0.001, 1, (3, 8)).astype(np.float32),
                qs.reshape(3, -1, 16).astype(np.int32).sum(-1).astype(np.int16))
-    got, want = iq2_pair(kernel, ns.IQ2XXS_SIGN_MASKS, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, nk.IQ2XXS_SIGNS, wg, wu, a)
+    got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, wg, wu, a)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
@@ -513,7 +532,7 @@ LANES_CASES = [pytest.param(kernel, lanes, marks=pytest.mark.skipif(
 def iq2_lanes(kernel, lanes, wg, wu, qs, d):
     g, u = (np.full((len(qs), wg.shape[0]), np.nan, np.float32) for _ in range(2))
     xu, ydl = ni.iq2_xxs_lanes_operands(np.ascontiguousarray(qs), d, lanes)
-    nk.run_kernel(kernel, wg, wu, xu, ydl, len(qs), nk.IQ2XXS_GRID, ns.IQ2XXS_SIGN_MASKS, nk.F16_TO_F32, g, u)
+    nk.run_kernel(kernel, wg, wu, xu, ydl, len(qs), nk.IQ2XXS_GRID, nk.F16_TO_F32, g, u)
     return g, u
 
 
@@ -622,7 +641,7 @@ NO_TOKENS = "this CPU (or NUMBA_CPU_NAME) lacks AVX2: the few-token IQ2_XXS kern
 def iq2_tokens(wg, wu, qs, d):
     g, u = np.full((len(qs), wg.shape[0]), np.nan, np.float32), np.full((len(qs), wg.shape[0]), np.nan, np.float32)
     nk.run_kernel(ni.IQ2_XXS_TOKENS, wg, wu, ni.iq2_xxs_tokens_operand(qs), d, nk.IQ2XXS_GRID,
-                  ns.IQ2XXS_SIGN_MASKS, nk.F16_TO_F32, g, u)
+                  nk.F16_TO_F32, g, u)
     return g, u
 
 

@@ -44,7 +44,6 @@ from ds4ref.backends.numba_kernels import (
 # ... and its byte-dot rows and blocks (llvmlite intrinsics), chosen by the one
 # CPU probe (simd_kernels over host_simd)
 from ds4ref.backends.numba_simd import (
-    IQ2XXS_SIGN_MASKS,
     _iq2_xxs_pair_row_avx2,
     _q2_K_block_avx2,
     _q2_K_block_avx512,
@@ -66,6 +65,10 @@ def choose_threading_layer() -> str:
     Mirrors ds4.c: ds4_threads_init (l. 678), ds4.c's own spinning pthread pool"""
     import os
     from numba import config
+    # OpenMP workers bound to their cores, unless the user says otherwise: an unbound
+    # worker woken on the core where the caller spins waits for a scheduler tick
+    # whenever a third thread is runnable (tools/threading_ab.py times both)
+    os.environ.setdefault("OMP_PROC_BIND", "true")
     if "NUMBA_THREADING_LAYER" in os.environ:
         return config.THREADING_LAYER
     try:
@@ -127,17 +130,17 @@ def experts_down_kernel(wd, ids, rows, yq, yd, ybs, lut, out):
 # an argument, and LLVM compiles an intrinsic only for a CPU that has it.
 @njit(parallel=True, cache=True)
 def experts_mid_avx2_kernel(
-    wg, wu, ids, rows, yq, yd, weights, clamp, grid, masks, lut, mid
+    wg, wu, ids, rows, yq, yd, weights, clamp, grid, lut, mid
 ):
-    """As experts_mid_kernel (masks: IQ2XXS_SIGN_MASKS; yq int8 in [-127, 127]), each
+    """As experts_mid_kernel (yq int8 in [-127, 127]), each
     row by the AVX2 byte-dot pair row, which gives the portable row's bits.
     Mirrors ds4.c: matvec_iq2_xxs_mid_worker (l. 3893)"""
     k = ids.shape[0]
-    ga, ma = grid.ctypes.data, masks.ctypes.data
+    ga = grid.ctypes.data
     for job in prange(k * rows):
         s = job // rows
         row = np.int64(ids[s]) * rows + (job - s * rows)
-        g, u = _iq2_xxs_pair_row_avx2(wg, wu, row, yq, yd, 0, ga, ma, lut)
+        g, u = _iq2_xxs_pair_row_avx2(wg, wu, row, yq, yd, 0, ga, lut)
         if clamp > np.float32(1e-6):
             g = min(g, clamp)
             u = min(max(u, -clamp), clamp)
@@ -313,7 +316,6 @@ class NumbaBackend(NumpyBackend):
                 weights,
                 np.float32(clamp),
                 IQ2XXS_GRID,
-                IQ2XXS_SIGN_MASKS,
                 F16_TO_F32,
                 mid,
             )

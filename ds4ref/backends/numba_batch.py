@@ -18,7 +18,6 @@ from ds4ref.backends.numba_iq2 import (
 )
 from ds4ref.backends.numba_kernels import F16_TO_F32, IQ2XXS_GRID, run_kernel
 from ds4ref.backends.numba_simd import (
-    IQ2XXS_SIGN_MASKS,
     _q2_K_block_avx2,
     _q2_K_block_avx512,
     _q2_K_row_simd,
@@ -31,13 +30,13 @@ from ds4ref.quant import IQ2_XXS, Q2_K, Q8KAct
 
 @njit(parallel=True, cache=True)
 def experts_gate_up_batch_kernel(wg, wu, rows, experts, starts, stops, pairs, k, xu,
-                                 yd, grid, masks, lut, gate, up):
+                                 yd, grid, lut, gate, up):
     """gate, up [T k, rows]: row r of expert e = experts[j]'s gate/up (rows e rows + r
     of wg, wu, uint8 [n_expert rows, row_bytes]) against token p // k of xu (y + 128,
     uint8 [T, n]; yd its scales) for each pair p of pairs[starts[j]:stops[j]]; tasks of
     (expert, 16 rows), each row decoded once (D.9).
     Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its gate/up pass"""
-    ga, ma = grid.ctypes.data, masks.ctypes.data
+    ga = grid.ctypes.data
     tiles = -(-rows // IQ2_XXS_LANES_ROWS)
     for task in prange(experts.shape[0] * tiles):
         j, tile = task // tiles, task % tiles
@@ -45,8 +44,8 @@ def experts_gate_up_batch_kernel(wg, wu, rows, experts, starts, stops, pairs, k,
         r0 = tile * IQ2_XXS_LANES_ROWS
         for r in range(r0, min(r0 + IQ2_XXS_LANES_ROWS, rows)):
             row = experts[j] * rows + r
-            _iq2_xxs_decode_row(wg, row, ga, ma, q, sc, c, d, 0, lut)
-            _iq2_xxs_decode_row(wu, row, ga, ma, q, sc, c, d, 1, lut)
+            _iq2_xxs_decode_row(wg, row, ga, q, sc, c, d, 0, lut)
+            _iq2_xxs_decode_row(wu, row, ga, q, sc, c, d, 1, lut)
             for i in range(starts[j], stops[j]):
                 p = pairs[i]
                 g, u = _iq2_xxs_decoded_dots(q, sc, c, d, xu, yd, p // k)
@@ -127,7 +126,7 @@ def numba_experts_gate_up_batch(be, w_gate3, w_up3, sel, xq):
     if few.any():
         run_kernel(EXPERTS_GATE_UP_BATCH, wg, wu, rows, experts[few], starts[few],
                    stops[few], pairs, k, iq2_xxs_tokens_operand(yq), yd, IQ2XXS_GRID,
-                   IQ2XXS_SIGN_MASKS, F16_TO_F32, gate, up)
+                   F16_TO_F32, gate, up)
     for j in np.flatnonzero(~few):
         p = pairs[starts[j]:stops[j]]
         e = int(experts[j])

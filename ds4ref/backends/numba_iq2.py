@@ -11,70 +11,53 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ds4ref.backends.numba_kernels import _f16
-from ds4ref.backends.numba_simd import simd_kernels
+from ds4ref.backends.numba_simd import (
+    _fn,
+    iq2_xxs_group_grid,
+    iq2_xxs_group_signs,
+    iq2_xxs_signs_scales,
+    simd_kernels,
+)
 from ds4ref.backends.numba_vnni import _addr, _splat, lanes_operands
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32, _vec = ir.FloatType(), ir.VectorType
 
 
-def _fn(builder, name, ret, params):
-    """The LLVM intrinsic `name` of type ret(params), declared in this module."""
-    return cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ret, params), name
-    )
-
-
 def _iq2_xxs_decode_intrinsic():
-    """An intrinsic (w_addr, grid_addr, mask_addr, q_addr, sc_addr) -> int32 c: one
-    IQ2_XXS block decoded, with AVX2. w_addr: its 64 bytes after d; grid_addr,
-    mask_addr: IQ2XXS_GRID and IQ2XXS_SIGN_MASKS. Writes the 256 signed weights
-    q_e = sign_e grid_e (int8 [256], |q| <= 43) to q_addr and the 8 group scales
-    2 s_g + 1 (int32 [8]) to sc_addr; returns c = 128 sum_g (2 s_g + 1) sum_{e in g}
-    q_e, the lanes kernels' correction.
+    """An intrinsic (w_addr, grid_addr, q_addr, sc_addr) -> int32 c: one IQ2_XXS block
+    decoded, with AVX2. w_addr: its 64 bytes after d; grid_addr: IQ2XXS_GRID. Writes
+    the 256 signed weights q_e = sign_e grid_e (int8 [256], |q| <= 43) to q_addr and
+    the 8 group scales 2 s_g + 1 (int32 [8]) to sc_addr; returns c = 128 sum_g
+    (2 s_g + 1) sum_{e in g} q_e, the lanes kernels' correction.
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889, its decode of a block)"""
 
     def codegen(context, builder, sig, args):
-        w, grid, masks, q, sc = args
+        w, grid, q, sc = args
         v8, b32, h16 = _vec(_i32, 8), _vec(_i8, 32), _vec(_i16, 16)
         maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
         maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
         reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", _i32, [v8])
         ones = ir.Constant(b32, [1] * 32)  # unsigned 1 in every byte
-
-        def rows(table, idx):  # 4 table rows of 8 bytes (row k at 8k): 32 bytes
-            v = ir.Constant(_vec(_i64, 4), None)
-            for lane, k in enumerate(idx):
-                at = builder.shl(k, ir.Constant(_i64, 3))
-                row = builder.load(_addr(builder, table, at, _i64), align=1)
-                v = builder.insert_element(v, row, ir.Constant(_i32, lane))
-            return builder.bitcast(v, b32)
-
+        ss = iq2_xxs_signs_scales(builder, w)
         c = ir.Constant(v8, [0] * 8)
-        for g in range(8):  # 32-value groups: 4 grid bytes, then a 32-bit word
-            word = builder.load(_addr(builder, w, 8 * g + 4, _i32), align=1)
-            w64 = builder.zext(word, _i64)
-            grid_idx = [
-                builder.zext(builder.load(_addr(builder, w, 8 * g + l, _i8)), _i64)
-                for l in range(4)
-            ]
-            sign_idx = [builder.and_(builder.lshr(w64, ir.Constant(_i64, 7 * l)),
-                                     ir.Constant(_i64, 127)) for l in range(4)]
-            m = rows(masks, sign_idx)
-            qg = builder.sub(builder.xor(rows(grid, grid_idx), m), m)  # -grid where -1
+        for g in range(8):  # 32-value groups
+            mask, s16 = iq2_xxs_group_signs(builder, ss, g)
+            grid_g = iq2_xxs_group_grid(builder, w, grid, g)
+            qg = builder.sub(builder.xor(grid_g, mask), mask)  # -grid where -1
             builder.store(qg, _addr(builder, q, 32 * g, b32), align=1)
-            scale = builder.add(builder.shl(builder.lshr(word, ir.Constant(_i32, 28)),
-                                            ir.Constant(_i32, 1)), ir.Constant(_i32, 1))
+            # the scale as int32 (low half of an int16 pair)
+            scale = builder.and_(builder.extract_element(
+                builder.bitcast(s16, v8), ir.Constant(_i32, 0)), ir.Constant(_i32, 0xFFFF))
             builder.store(scale, _addr(builder, sc, 4 * g, _i32), align=1)
             # (2 s + 1) sum q: byte pairs q_e + q_e+1 (1 * q), then pairs times 2 s + 1
             pairs = builder.call(maddubs, [ones, qg])
-            s16 = _splat(builder, builder.trunc(scale, _i16), _i16, 16)
             c = builder.add(c, builder.call(maddwd, [pairs, s16]))
         return builder.mul(builder.call(reduce, [c]), ir.Constant(_i32, 128))
 
-    def typer(typingctx, w_addr, grid_addr, mask_addr, q_addr, sc_addr):
+    def typer(typingctx, w_addr, grid_addr, q_addr, sc_addr):
         a = types.intp
-        return types.int32(a, a, a, a, a), codegen
+        return types.int32(a, a, a, a), codegen
     typer.__name__ = typer.__qualname__ = "_iq2_xxs_decode_256"
     return intrinsic(typer)
 
@@ -160,14 +143,14 @@ def iq2_xxs_lanes_operands(yq: np.ndarray, yd: np.ndarray, lanes: int):
 
 
 @njit(inline="always")
-def _iq2_xxs_decode_row(w, r, ga, ma, q, sc, c, d, k, lut):
+def _iq2_xxs_decode_row(w, r, ga, q, sc, c, d, k, lut):
     """Row r of w decoded into q[k] (int8 [nb, 256]), sc[k] (int32 [nb, 8]), c[k]
     (int32 [nb]) and d[k] (float32 [nb], the blocks' f16 d)."""
     nb = w.shape[1] // 66
     wr = w.ctypes.data + r * w.strides[0]
     qa, sa = q.ctypes.data + 256 * nb * k, sc.ctypes.data + 32 * nb * k
     for b in range(nb):
-        c[k, b] = _iq2_xxs_decode(wr + 66 * b + 2, ga, ma, qa + 256 * b, sa + 32 * b)
+        c[k, b] = _iq2_xxs_decode(wr + 66 * b + 2, ga, qa + 256 * b, sa + 32 * b)
         d[k, b] = _f16(lut, w, r, 66 * b)
 
 
@@ -184,7 +167,7 @@ def _iq2_xxs_scratch(nb):
 
 
 @njit(inline="always")
-def _iq2_xxs_lanes_rows(lanes_fn, L, wg, wu, task, xu, ydl, n_tok, ga, ma, lut, out_g,
+def _iq2_xxs_lanes_rows(lanes_fn, L, wg, wu, task, xu, ydl, n_tok, ga, lut, out_g,
                         out_u):
     """Rows 16 task .. 16 task + 15 of the gate and up weights against all tokens: each
     pair of rows decoded once, then each tile of L tokens block by block through
@@ -197,8 +180,8 @@ def _iq2_xxs_lanes_rows(lanes_fn, L, wg, wu, task, xu, ydl, n_tok, ga, ma, lut, 
     xa, ya = xu.ctypes.data, ydl.ctypes.data
     r0 = task * IQ2_XXS_LANES_ROWS
     for r in range(r0, min(r0 + IQ2_XXS_LANES_ROWS, wg.shape[0])):
-        _iq2_xxs_decode_row(wg, r, ga, ma, q, sc, c, d, 0, lut)
-        _iq2_xxs_decode_row(wu, r, ga, ma, q, sc, c, d, 1, lut)
+        _iq2_xxs_decode_row(wg, r, ga, q, sc, c, d, 0, lut)
+        _iq2_xxs_decode_row(wu, r, ga, q, sc, c, d, 1, lut)
         acc[:] = 0.0
         for t0 in range(tiles):
             for b in range(nb):
@@ -218,45 +201,45 @@ def _iq2_xxs_lanes_rows(lanes_fn, L, wg, wu, task, xu, ydl, n_tok, ga, ma, lut, 
 # kernel that takes its intrinsic as an argument, and LLVM compiles an AVX-512
 # intrinsic only for a CPU that has it.
 @njit(parallel=True, cache=True)
-def iq2_xxs_pair_lanes_avx2_kernel(wg, wu, xu, ydl, n_tok, grid, masks, lut, out_g,
+def iq2_xxs_pair_lanes_avx2_kernel(wg, wu, xu, ydl, n_tok, grid, lut, out_g,
                                    out_u):
     """As iq2_xxs_pair_kernel on the repacked activation (xu, ydl =
-    iq2_xxs_lanes_operands(yq, yd, 8); n_tok its tokens; masks: IQ2XXS_SIGN_MASKS):
+    iq2_xxs_lanes_operands(yq, yd, 8); n_tok its tokens):
     each row's blocks decoded once, then dotted against 8 tokens per vector (AVX2);
     out[t, r] = (1/8) sum_b (f16(d_rb) d_y[t, b]) bsum_rbt in block order.
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
-    ga, ma = grid.ctypes.data, masks.ctypes.data
+    ga = grid.ctypes.data
     for task in prange(-(-wg.shape[0] // IQ2_XXS_LANES_ROWS)):
         _iq2_xxs_lanes_rows(
-            _iq2_xxs_lanes_avx2, 8, wg, wu, task, xu, ydl, n_tok, ga, ma, lut,
+            _iq2_xxs_lanes_avx2, 8, wg, wu, task, xu, ydl, n_tok, ga, lut,
             out_g, out_u,
         )
 
 
 @njit(parallel=True, cache=True)
-def iq2_xxs_pair_lanes_avx512_kernel(wg, wu, xu, ydl, n_tok, grid, masks, lut, out_g,
+def iq2_xxs_pair_lanes_avx512_kernel(wg, wu, xu, ydl, n_tok, grid, lut, out_g,
                                      out_u):
     """As iq2_xxs_pair_lanes_avx2_kernel with 16 tokens per vector (lanes = 16),
     AVX-512BW.
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
-    ga, ma = grid.ctypes.data, masks.ctypes.data
+    ga = grid.ctypes.data
     for task in prange(-(-wg.shape[0] // IQ2_XXS_LANES_ROWS)):
         _iq2_xxs_lanes_rows(
-            _iq2_xxs_lanes_avx512bw, 16, wg, wu, task, xu, ydl, n_tok, ga, ma, lut,
+            _iq2_xxs_lanes_avx512bw, 16, wg, wu, task, xu, ydl, n_tok, ga, lut,
             out_g, out_u,
         )
 
 
 @njit(parallel=True, cache=True)
-def iq2_xxs_pair_lanes_vnni_kernel(wg, wu, xu, ydl, n_tok, grid, masks, lut, out_g,
+def iq2_xxs_pair_lanes_vnni_kernel(wg, wu, xu, ydl, n_tok, grid, lut, out_g,
                                    out_u):
     """As iq2_xxs_pair_lanes_avx512_kernel, the four-byte dots by vpdpbusd (AVX-512
     VNNI).
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
-    ga, ma = grid.ctypes.data, masks.ctypes.data
+    ga = grid.ctypes.data
     for task in prange(-(-wg.shape[0] // IQ2_XXS_LANES_ROWS)):
         _iq2_xxs_lanes_rows(
-            _iq2_xxs_lanes_vnni, 16, wg, wu, task, xu, ydl, n_tok, ga, ma, lut,
+            _iq2_xxs_lanes_vnni, 16, wg, wu, task, xu, ydl, n_tok, ga, lut,
             out_g, out_u,
         )
 
@@ -325,27 +308,27 @@ def _iq2_xxs_decoded_dots(q, sc, c, d, xu, yd, t):
 
 
 @njit(inline="always")
-def _iq2_xxs_tokens_rows(wg, wu, task, xu, yd, ga, ma, lut, out_g, out_u):
+def _iq2_xxs_tokens_rows(wg, wu, task, xu, yd, ga, lut, out_g, out_u):
     """Rows 16 task .. 16 task + 15 of the gate and up weights: each pair of rows
     decoded once, then dotted with every token."""
     q, sc, c, d = _iq2_xxs_scratch(wg.shape[1] // 66)
     r0 = task * IQ2_XXS_LANES_ROWS
     for r in range(r0, min(r0 + IQ2_XXS_LANES_ROWS, wg.shape[0])):
-        _iq2_xxs_decode_row(wg, r, ga, ma, q, sc, c, d, 0, lut)
-        _iq2_xxs_decode_row(wu, r, ga, ma, q, sc, c, d, 1, lut)
+        _iq2_xxs_decode_row(wg, r, ga, q, sc, c, d, 0, lut)
+        _iq2_xxs_decode_row(wu, r, ga, q, sc, c, d, 1, lut)
         for t in range(xu.shape[0]):
             out_g[t, r], out_u[t, r] = _iq2_xxs_decoded_dots(q, sc, c, d, xu, yd, t)
 
 
 @njit(parallel=True, cache=True)
-def iq2_xxs_pair_tokens_kernel(wg, wu, xu, yd, grid, masks, lut, out_g, out_u):
+def iq2_xxs_pair_tokens_kernel(wg, wu, xu, yd, grid, lut, out_g, out_u):
     """As iq2_xxs_pair_kernel on the activation stored as xu = y + 128 (uint8 [T, n],
-    rows contiguous; masks: IQ2XXS_SIGN_MASKS): each row's blocks decoded once, then
+    rows contiguous): each row's blocks decoded once, then
     dotted with each token by AVX2 byte dots.
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
-    ga, ma = grid.ctypes.data, masks.ctypes.data
+    ga = grid.ctypes.data
     for task in prange(-(-wg.shape[0] // IQ2_XXS_LANES_ROWS)):
-        _iq2_xxs_tokens_rows(wg, wu, task, xu, yd, ga, ma, lut, out_g, out_u)
+        _iq2_xxs_tokens_rows(wg, wu, task, xu, yd, ga, lut, out_g, out_u)
 
 
 def iq2_xxs_tokens_operand(yq: np.ndarray) -> np.ndarray:

@@ -26,7 +26,6 @@ from ds4ref.backends.numba_iq2 import (
 )
 from ds4ref.backends.numba_simd import (
     IQ2_XXS_SIMD,
-    IQ2XXS_SIGN_MASKS,
     Q2_K_SIMD,
 )
 from ds4ref.backends.numba_q8avx2 import (
@@ -217,12 +216,12 @@ def numba_matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
         # each row decoded once, the activation repacked once: 8 or 16 tokens per vector
         kernel, lanes = IQ2_XXS_LANES
         xu, ydl = iq2_xxs_lanes_operands(np.ascontiguousarray(yq), yd, lanes)
-        run_kernel(kernel, g_raw, u_raw, xu, ydl, T, IQ2XXS_GRID, IQ2XXS_SIGN_MASKS,
-                   F16_TO_F32, g, u, rows=rows)
+        run_kernel(kernel, g_raw, u_raw, xu, ydl, T, IQ2XXS_GRID, F16_TO_F32, g, u,
+                   rows=rows)
     # each row decoded once, then dotted with each token; any code, -128 too
     elif IQ2_XXS_TOKENS is not None and (T > 1 or (yq == -128).any()):
         run_kernel(IQ2_XXS_TOKENS, g_raw, u_raw, iq2_xxs_tokens_operand(yq), yd,
-                   IQ2XXS_GRID, IQ2XXS_SIGN_MASKS, F16_TO_F32, g, u, rows=rows)
+                   IQ2XXS_GRID, F16_TO_F32, g, u, rows=rows)
     # the one-token byte path negates int8 activations
     elif IQ2_XXS_SIMD is not None and not (yq == -128).any():
         run_kernel(
@@ -232,7 +231,6 @@ def numba_matvec_iq2_xxs_pair_q8_K(w_gate, w_up, a):
             np.ascontiguousarray(yq),
             yd,
             IQ2XXS_GRID,
-            IQ2XXS_SIGN_MASKS,
             F16_TO_F32,
             g,
             u,

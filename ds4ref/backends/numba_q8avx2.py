@@ -10,7 +10,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba_iq2 import _fn
+from ds4ref.backends.numba_simd import _fn
 from ds4ref.backends.numba_vnni import _addr, _splat, lanes_operands, sum4_blocks
 from ds4ref.backends.numba_kernels import _f16
 from ds4ref.backends.numba_simd import simd_kernels

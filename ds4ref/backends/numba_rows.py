@@ -9,9 +9,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba_iq2 import _fn
 from ds4ref.backends.numba_q8avx2 import _q8_0_row_avx2, _sign_dot
-from ds4ref.backends.numba_simd import simd_kernels
+from ds4ref.backends.numba_simd import _fn, simd_kernels
 from ds4ref.backends.numba_vnni import _addr, _q8_0_row_vnni, _splat
 
 _i16, _i32, _i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -105,6 +104,19 @@ _rows_vnni_1, _rows_vnni_4 = (_q8_0_rows_intrinsic("avx512vnni", k) for k in (1,
 _rows_avx2_1, _rows_avx2_4 = (_q8_0_rows_intrinsic("avx2", k) for k in (1, 4))
 
 
+@intrinsic
+def _prefetch(typingctx, addr):
+    """Ask the CPU to bring the cache line at byte address addr toward L1 (no fault,
+    no result): llvm.prefetch, read, high locality."""
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p] + [_i32] * 3)
+        builder.call(fn, [builder.inttoptr(args[0], i8p)] +
+                     [ir.Constant(_i32, v) for v in (0, 3, 1)])
+        return context.get_dummy_value()
+    return types.void(types.intp), codegen
+
+
 @njit(inline="always")
 def _q8_0_tile(rows1, rows4, R, w, tile, xr, cr, dr, acc):
     """acc = rows R tile .. R tile + R - 1 of w against one token (addresses: xr its
@@ -112,9 +124,15 @@ def _q8_0_tile(rows1, rows4, R, w, tile, xr, cr, dr, acc):
     the last nb % 4 by rows1 (compile-time globals: row-lanes intrinsics)."""
     nb, stride = w.shape[1] // 34, w.strides[0]
     wt = w.ctypes.data + R * tile * stride + 2
+    # the same blocks two tiles on: R short rows read side by side are R streams
+    # too short for the hardware prefetcher to pick up
+    ahead = wt + 2 * R * stride
     acc[:] = 0.0
     a, b = acc.ctypes.data, 0
     while b + 4 <= nb:
+        for j in range(R):
+            _prefetch(ahead + j * stride + 34 * b)
+            _prefetch(ahead + j * stride + 34 * b + 64)
         rows4(wt + 34 * b, stride, xr + 32 * b, cr + 4 * b, dr + 4 * b, a)
         b += 4
     while b < nb:

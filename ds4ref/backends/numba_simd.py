@@ -217,124 +217,161 @@ Q2_K_BYTE_DOT = ((q2_K_avx512_kernel, "avx512bw"), (q2_K_avx2_kernel, "avx2"))
 Q2_K_SIMD = (simd_kernels(Q2_K_BYTE_DOT) or [None])[0]
 
 
-# per sign row: 0xFF where ds4's sign table has -1, 0x00 where +1 (uint8 [128 * 8], read
-# as 64-bit words)
-IQ2XXS_SIGN_MASKS = np.ascontiguousarray(
-    np.where(IQ2XXS_SIGNS < 0, 0xFF, 0).astype(np.uint8)
-)
+_b32, _h16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
+_v8 = ir.VectorType(ir.IntType(32), 8)
 
 
-def _iq2_xxs_block_intrinsic():
-    """An intrinsic (w_addr, y_addr, grid_addr, mask_addr) -> int32 bsum for one IQ2_XXS
-    block with AVX2: w_addr its 64 bytes after d, y_addr its 256 int8 Q8_K values (none
-    -128), grid_addr IQ2XXS_GRID, mask_addr IQ2XXS_SIGN_MASKS.
-    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889)"""
-    i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-    vec = ir.VectorType
+def _fn(builder, name, ret, params):
+    """The LLVM intrinsic `name` of type ret(params), declared in this module."""
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ret, params), name
+    )
+
+# bit j of a byte, for each of a chunk's 8 weights: the sign bit that weight reads
+_SIGN_BITS = [1 << (j % 8) for j in range(32)]
+# 0x80 where a nibble has an odd number of set bits (ds4's sign bytes have even parity)
+_ODD_NIBBLE = [0x80 if bin(n).count("1") % 2 else 0 for n in range(16)] * 2
+
+
+def _bytes(values):
+    return ir.Constant(_b32, [v & 0xFF for v in values])
+
+
+def _dwords(value):
+    return ir.Constant(_v8, [value] * 8)
+
+
+def iq2_xxs_signs_scales(builder, w):
+    """Codegen: the sign bytes and scales of the IQ2_XXS block whose 64 bytes after d
+    are at address w, for all 8 groups at once -> (signs_lo, signs_hi, scales_lo,
+    scales_hi). Dword g of the signs holds group g's four full sign bytes (7 stored
+    bits, the 8th their parity, as ds4's ksigns table), of the scales 2 s_g + 1 in
+    both int16 halves; _lo holds groups 0-3 and _hi 4-7, each copied into both
+    128-bit lanes for vpshufb."""
+    pshufb = _fn(builder, "llvm.x86.avx2.pshuf.b", _b32, [_b32, _b32])
+    i32x8 = _v8.as_pointer()
+    lo = builder.load(builder.inttoptr(w, i32x8), align=1)            # groups 0-3
+    hi = builder.load(builder.inttoptr(builder.add(w, ir.Constant(ir.IntType(64), 32)),
+                                       i32x8), align=1)                # groups 4-7
+    words = builder.shuffle_vector(lo, hi, ir.Constant(_v8, list(range(1, 16, 2))))
+    # the four 7-bit fields of each word, one per byte
+    signs = builder.and_(words, _dwords(0x7F))
+    for k in (1, 2, 3):
+        field = builder.and_(builder.shl(words, _dwords(k)), _dwords(0x7F << 8 * k))
+        signs = builder.or_(signs, field)
+    sb = builder.bitcast(signs, _b32)
+    nibble = _bytes([0x0F] * 32)
+    high = builder.and_(builder.bitcast(builder.lshr(signs, _dwords(4)), _b32), nibble)
+    parity = builder.xor(builder.call(pshufb, [_bytes(_ODD_NIBBLE),
+                                               builder.and_(sb, nibble)]),
+                         builder.call(pshufb, [_bytes(_ODD_NIBBLE), high]))
+    sb = builder.or_(sb, parity)
+    scales = builder.or_(builder.shl(builder.lshr(words, _dwords(28)), _dwords(1)),
+                         _dwords(1))
+    scales = builder.bitcast(builder.or_(scales, builder.shl(scales, _dwords(16))), _b32)
+
+    def lanes(v, half):  # 16 bytes of v, in both lanes
+        idx = [16 * half + k % 16 for k in range(32)]
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32),
+                                                                      32), idx))
+    return lanes(sb, 0), lanes(sb, 1), lanes(scales, 0), lanes(scales, 1)
+
+
+def iq2_xxs_group_signs(builder, ss, g):
+    """Codegen: group g's 32 sign masks (0xFF where the weight is negative) and its
+    scale 2 s_g + 1 in all 16 int16 lanes, from iq2_xxs_signs_scales' `ss`."""
+    pshufb = _fn(builder, "llvm.x86.avx2.pshuf.b", _b32, [_b32, _b32])
+    signs, scales = (ss[0], ss[2]) if g < 4 else (ss[1], ss[3])
+    k = g % 4
+    # chunk l (bytes 8l..8l+7) reads sign byte 4k + l; lane 1 holds chunks 2 and 3
+    spread = builder.call(pshufb, [signs, _bytes(
+        [4 * k + (j // 8) % 2 + 2 * (j // 16) for j in range(32)])])
+    bit = builder.and_(spread, _bytes(_SIGN_BITS))
+    mask = builder.sext(builder.icmp_unsigned("==", bit, _bytes(_SIGN_BITS)), _b32)
+    scale = builder.call(pshufb, [scales, _bytes([4 * k + j % 4 for j in range(32)])])
+    return mask, builder.bitcast(scale, _h16)
+
+
+def iq2_xxs_group_grid(builder, w, grid, g):
+    """Codegen: the 32 grid bytes of group g (its four 8-byte rows of IQ2XXS_GRID at
+    address grid, picked by the group's four index bytes at w + 8 g)."""
+    i64 = ir.IntType(64)
+    v = ir.Constant(ir.VectorType(i64, 4), None)
+    for lane in range(4):
+        at = builder.inttoptr(builder.add(w, ir.Constant(i64, 8 * g + lane)),
+                              ir.IntType(8).as_pointer())
+        k = builder.zext(builder.load(at), i64)
+        row = builder.inttoptr(builder.add(grid, builder.shl(k, ir.Constant(i64, 3))),
+                               i64.as_pointer())
+        v = builder.insert_element(v, builder.load(row, align=1),
+                                   ir.Constant(ir.IntType(32), lane))
+    return builder.bitcast(v, _b32)
+
+
+def _iq2_xxs_pair_block_intrinsic():
+    """An intrinsic (wg_addr, wu_addr, y_addr, grid_addr) -> (bsum_g, bsum_u) int32 for
+    one IQ2_XXS block of a gate and an up row with AVX2: wg_addr, wu_addr their 64
+    bytes after d, y_addr the block's 256 int8 Q8_K values (none -128, shared by both
+    rows), grid_addr IQ2XXS_GRID.
+    Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
 
     def codegen(context, builder, sig, args):
-        w, y, grid, masks = args
-        mod = builder.module
-        pmaddubsw = cgutils.get_or_insert_function(
-            mod,
-            ir.FunctionType(vec(i16, 16), [vec(i8, 32)] * 2),
-            "llvm.x86.avx2.pmadd.ub.sw",
-        )
-        pmaddwd = cgutils.get_or_insert_function(
-            mod,
-            ir.FunctionType(vec(i32, 8), [vec(i16, 16)] * 2),
-            "llvm.x86.avx2.pmadd.wd",
-        )
-        reduce = cgutils.get_or_insert_function(
-            mod, ir.FunctionType(i32, [vec(i32, 8)]), "llvm.vector.reduce.add.v8i32"
-        )
+        wg, wu, y, grid = args
+        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _h16, [_b32] * 2)
+        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", _v8, [_h16] * 2)
+        reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [_v8])
+        ss = [iq2_xxs_signs_scales(builder, w) for w in (wg, wu)]
+        acc = [ir.Constant(_v8, [0] * 8)] * 2
+        for g in range(8):  # 32-value groups
+            yv = builder.load(builder.inttoptr(
+                builder.add(y, ir.Constant(ir.IntType(64), 32 * g)), _b32.as_pointer()),
+                align=1)
+            for k, w in enumerate((wg, wu)):
+                mask, scale = iq2_xxs_group_signs(builder, ss[k], g)
+                signed_y = builder.sub(builder.xor(yv, mask), mask)  # -y where -1
+                # int16: g_e y'_e + g_e+1 y'_e+1, then times 2 s + 1 into int32
+                pairs = builder.call(maddubs, [iq2_xxs_group_grid(builder, w, grid, g),
+                                               signed_y])
+                acc[k] = builder.add(acc[k], builder.call(maddwd, [pairs, scale]))
+        return context.make_tuple(builder, sig.return_type,
+                                  [builder.call(reduce, [a]) for a in acc])
 
-        def const(v):
-            return ir.Constant(i64, v)
-
-        def load(addr, offset, t):  # unaligned load of type t at addr + offset
-            return builder.load(
-                builder.inttoptr(builder.add(addr, offset), t.as_pointer()), align=1
-            )
-
-        # 4 rows of 8 bytes (row k at 8k) -> one 32-byte vector
-        def table_rows(table, idx):
-            v = ir.Constant(vec(i64, 4), None)
-            for lane, k in enumerate(idx):
-                v = builder.insert_element(
-                    v,
-                    load(table, builder.shl(k, const(3)), i64),
-                    ir.Constant(i32, lane),
-                )
-            return builder.bitcast(v, vec(i8, 32))
-
-        acc = ir.Constant(vec(i32, 8), None)
-        for g in range(8):  # 32-value groups: 4 grid bytes, then a 32-bit word
-            word = builder.zext(load(w, const(8 * g + 4), i32), i64)
-            grid_idx = [
-                builder.zext(load(w, const(8 * g + l), i8), i64) for l in range(4)
-            ]
-            sign_idx = [
-                builder.and_(builder.lshr(word, const(7 * l)), const(127))
-                for l in range(4)
-            ]
-            m = table_rows(masks, sign_idx)
-            yv = load(y, const(32 * g), vec(i8, 32))
-            signed_y = builder.sub(builder.xor(yv, m), m)  # -y where the sign is -1
-            # int16: g_e y'_e + g_e+1 y'_e+1
-            pairs = builder.call(pmaddubsw, [table_rows(grid, grid_idx), signed_y])
-            scale = builder.trunc(
-                builder.add(
-                    builder.shl(builder.lshr(word, const(28)), const(1)), const(1)
-                ),
-                i16,
-            )
-            scale = builder.insert_element(
-                ir.Constant(vec(i16, 16), None), scale, ir.Constant(i32, 0)
-            )
-            # 2s+1 in all lanes
-            scale = builder.shuffle_vector(
-                scale, scale, ir.Constant(vec(i32, 16), [0] * 16)
-            )
-            acc = builder.add(acc, builder.call(pmaddwd, [pairs, scale]))
-        return builder.call(reduce, [acc])
-
-    def typer(typingctx, w_addr, y_addr, grid_addr, mask_addr):
-        return types.int32(types.intp, types.intp, types.intp, types.intp), codegen
-    typer.__name__ = typer.__qualname__ = "_iq2_xxs_block_256"
+    def typer(typingctx, wg_addr, wu_addr, y_addr, grid_addr):
+        a = types.intp
+        return types.UniTuple(types.int32, 2)(a, a, a, a), codegen
+    typer.__name__ = typer.__qualname__ = "_iq2_xxs_pair_block_256"
     return intrinsic(typer)
 
 
-_iq2_xxs_block_avx2 = _iq2_xxs_block_intrinsic()
+_iq2_xxs_pair_block_avx2 = _iq2_xxs_pair_block_intrinsic()
 
 
 @njit(inline="always")
-def _iq2_xxs_pair_row_avx2(wg, wu, r, yq, yd, t, ga, ma, lut):
+def _iq2_xxs_pair_row_avx2(wg, wu, r, yq, yd, t, ga, lut):
     """(gate, up) of row r of wg and wu against Q8_K activation row t, each block by the
-    AVX2 byte-dot block (ga, ma: addresses of IQ2XXS_GRID and IQ2XXS_SIGN_MASKS); the
-    float sums as in _iq2_xxs_row."""
+    AVX2 pair block (ga: the address of IQ2XXS_GRID); the float sums as in
+    _iq2_xxs_row."""
     gr, ur = wg.ctypes.data + r * wg.strides[0], wu.ctypes.data + r * wu.strides[0]
     yr = yq.ctypes.data + t * yq.strides[0]
     acc_g, acc_u = np.float32(0.0), np.float32(0.0)
     for b in range(wg.shape[1] // 66):
         o = b * 66 + 2  # the block's bytes after its f16 d
-        bsum_g = _iq2_xxs_block_avx2(gr + o, yr + 256 * b, ga, ma)
-        bsum_u = _iq2_xxs_block_avx2(ur + o, yr + 256 * b, ga, ma)
+        bsum_g, bsum_u = _iq2_xxs_pair_block_avx2(gr + o, ur + o, yr + 256 * b, ga)
         acc_g += (_f16(lut, wg, r, o - 2) * yd[t, b]) * np.float32(bsum_g)
         acc_u += (_f16(lut, wu, r, o - 2) * yd[t, b]) * np.float32(bsum_u)
     return np.float32(0.125) * acc_g, np.float32(0.125) * acc_u
 
 
 @njit(parallel=True, cache=True)
-def iq2_xxs_pair_avx2_kernel(wg, wu, yq, yd, grid, masks, lut, out_g, out_u):
-    """As iq2_xxs_pair_kernel (masks: IQ2XXS_SIGN_MASKS; yq int8 in [-127, 127]; each
-    array's rows contiguous), each block by AVX2 byte dot products.
+def iq2_xxs_pair_avx2_kernel(wg, wu, yq, yd, grid, lut, out_g, out_u):
+    """As iq2_xxs_pair_kernel (yq int8 in [-127, 127]; each array's rows contiguous),
+    each block by AVX2 byte dot products, the signs spread from the block's bits.
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
-    ga, ma = grid.ctypes.data, masks.ctypes.data
+    ga = grid.ctypes.data
     for r in prange(wg.shape[0]):
         for t in range(yq.shape[0]):
             out_g[t, r], out_u[t, r] = _iq2_xxs_pair_row_avx2(
-                wg, wu, r, yq, yd, t, ga, ma, lut
+                wg, wu, r, yq, yd, t, ga, lut
             )
 
 

@@ -98,7 +98,6 @@ def q8_0_rungs(T: int) -> list:
 def iq2_xxs_rungs(T: int) -> list:
     """(name, fn((gate, up), a) -> (g, u)) for the IQ2_XXS pair of T tokens."""
     lut, run, grid = nm.F16_TO_F32, nm.run_kernel, nm.IQ2XXS_GRID
-    masks = nm.IQ2XXS_SIGN_MASKS
 
     def outs(w, a):
         return nm._out(len(a.qs), w[0].shape[0]), nm._out(len(a.qs), w[0].shape[0])
@@ -111,22 +110,21 @@ def iq2_xxs_rungs(T: int) -> list:
 
     def byte_dots(w, a):
         g, u = outs(w, a)
-        run(nm.IQ2_XXS_SIMD, w[0], w[1], np.ascontiguousarray(a.qs), a.d, grid, masks,
-            lut, g, u, rows=len(w[0]))
+        run(nm.IQ2_XXS_SIMD, w[0], w[1], np.ascontiguousarray(a.qs), a.d, grid, lut,
+            g, u, rows=len(w[0]))
         return g, u
 
     def decode_once(w, a):
         g, u = outs(w, a)
         run(nm.IQ2_XXS_TOKENS, w[0], w[1], nm.iq2_xxs_tokens_operand(a.qs), a.d, grid,
-            masks, lut, g, u, rows=len(w[0]))
+            lut, g, u, rows=len(w[0]))
         return g, u
 
     def token_lanes(w, a):
         g, u = outs(w, a)
         kernel, n_lanes = nm.IQ2_XXS_LANES
         xu, ydl = nm.iq2_xxs_lanes_operands(np.ascontiguousarray(a.qs), a.d, n_lanes)
-        run(kernel, w[0], w[1], xu, ydl, len(a.qs), grid, masks, lut, g, u,
-            rows=len(w[0]))
+        run(kernel, w[0], w[1], xu, ydl, len(a.qs), grid, lut, g, u, rows=len(w[0]))
         return g, u
 
     rungs = [("numpy reference",
