@@ -65,10 +65,6 @@ def choose_threading_layer() -> str:
     Mirrors ds4.c: ds4_threads_init (l. 678), ds4.c's own spinning pthread pool"""
     import os
     from numba import config
-    # OpenMP workers bound to their cores, unless the user says otherwise: an unbound
-    # worker woken on the core where the caller spins waits for a scheduler tick
-    # whenever a third thread is runnable (tools/threading_ab.py times both)
-    os.environ.setdefault("OMP_PROC_BIND", "true")
     if "NUMBA_THREADING_LAYER" in os.environ:
         return config.THREADING_LAYER
     try:

@@ -67,13 +67,18 @@ def _x_corrections(xq: np.ndarray) -> np.ndarray:
     return 128 * xq.reshape(len(xq), -1, 32).sum(-1, dtype=np.int32)
 
 
+# what the AVX2 kernels get for the offsets they do not read (the same array type)
+_NO_XC = np.zeros((1, 1), np.int32)
+
+
 def _q8_0_few(kernel, raw, xq, xd, out) -> None:
     """out = the Q8_0 matvec of a few tokens by a one-token or row-lanes kernel (their
     shared signature).
     Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
     xq, xd = np.ascontiguousarray(xq), np.ascontiguousarray(xd)
-    run_kernel(kernel, raw, xq, xd, _x_corrections(xq), F16_TO_F32, out,
-               rows=out.shape[1])
+    # only the VNNI kernels read the 128 sum x offsets
+    xc = _x_corrections(xq) if kernel is Q8_0_ROWS_VNNI else _NO_XC
+    run_kernel(kernel, raw, xq, xd, xc, F16_TO_F32, out, rows=out.shape[1])
 
 
 def _q8_0_vnni(raw, xq, xd, out) -> None:
@@ -127,7 +132,8 @@ def numba_matvec_q8_0_grouped(w, x) -> np.ndarray | None:
     if not minus_128_ok and (a.qs == -128).any():
         return None
     out = _out(1, raw.shape[0])
-    run_kernel(kernel, raw, a.qs, a.d, _x_corrections(a.qs), out, rows=raw.shape[0])
+    xc = _x_corrections(a.qs) if minus_128_ok else _NO_XC   # VNNI only reads them
+    run_kernel(kernel, raw, a.qs, a.d, xc, out, rows=raw.shape[0])
     return out.reshape(G, -1)
 
 
