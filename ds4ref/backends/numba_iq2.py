@@ -47,8 +47,8 @@ def _iq2_xxs_decode_intrinsic():
             qg = builder.sub(builder.xor(grid_g, mask), mask)  # -grid where -1
             builder.store(qg, _addr(builder, q, 32 * g, b32), align=1)
             # the scale as int32 (low half of an int16 pair)
-            scale = builder.and_(builder.extract_element(
-                builder.bitcast(s16, v8), ir.Constant(_i32, 0)), ir.Constant(_i32, 0xFFFF))
+            pair = builder.extract_element(builder.bitcast(s16, v8), _i32(0))
+            scale = builder.and_(pair, ir.Constant(_i32, 0xFFFF))
             builder.store(scale, _addr(builder, sc, 4 * g, _i32), align=1)
             # (2 s + 1) sum q: byte pairs q_e + q_e+1 (1 * q), then pairs times 2 s + 1
             pairs = builder.call(maddubs, [ones, qg])

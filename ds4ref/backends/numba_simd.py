@@ -268,7 +268,8 @@ def iq2_xxs_signs_scales(builder, w):
     sb = builder.or_(sb, parity)
     scales = builder.or_(builder.shl(builder.lshr(words, _dwords(28)), _dwords(1)),
                          _dwords(1))
-    scales = builder.bitcast(builder.or_(scales, builder.shl(scales, _dwords(16))), _b32)
+    scales = builder.or_(scales, builder.shl(scales, _dwords(16)))   # in both int16s
+    scales = builder.bitcast(scales, _b32)
 
     def lanes(v, half):  # 16 bytes of v, in both lanes
         idx = [16 * half + k % 16 for k in range(32)]
