@@ -223,3 +223,10 @@ def test_ui_attributes_written_by_templates():
         '<button title="显示或隐藏主侧栏" data-x="Main"></button>'
         '<summary aria-label="显示或隐藏折叠内容"><nav aria-label="主导航">'
         '<p title="Main text">Main</p>')
+
+
+def test_check_fails_on_a_space_between_chinese_characters():
+    en = "Quantized dots, routed experts and sink attention, on `xp` arrays."
+    assert zh.check_block(en, "量化点积、路由专家和汇点注意力，作用于 `xp` 数组。") == []
+    assert zh.check_block(en, "量化点积、路由专家和 汇点注意力，作用于 `xp` 数组。") == \
+        ["a space between Chinese characters: ['和 汇']"]

@@ -271,6 +271,7 @@ HTML_TAG = re.compile(r"<[^>\n]+>")
 BARE_URL = re.compile(r"https?://\S+")
 LABEL = re.compile(r"^\([\w:-]+\)=[ \t]*$", re.M)
 CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+CJK_SPACE_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff][ \t]+[\u3400-\u4dbf\u4e00-\u9fff]")
 # an English word: two or more Latin letters standing alone, not a piece of a name such
 # as ds4.c, llama.cpp, Q8_0 or IQ2_XXS
 WORD = re.compile(r"(?<![\w.])[A-Za-z]{2,}(?!\w|\.\w)")
@@ -280,14 +281,15 @@ TABLE_ROW = re.compile(r"^[ \t]*\|.*\|[ \t]*$", re.M)
 CELL_BAR = re.compile(r"(?<!\\)\|")
 
 
-def prose(md: str) -> str:
+def prose(md: str, hole: str = " ") -> str:
     """The words a translator translates: a cell without its code blocks, math, code
-    spans, refs, link targets, URLs, HTML tags and MyST labels (which stay as they are)."""
+    spans, refs, link targets, URLs, HTML tags and MyST labels (which stay as they are),
+    each replaced by `hole`."""
     _, text = _fences(md)
     for pattern in (DISPLAY_MATH, ROLE, CODE, INLINE_MATH, LABEL, HTML_TAG):
-        text = pattern.sub(" ", text)
+        text = pattern.sub(hole, text)
     text = LINK.sub("]", text)
-    return BARE_URL.sub(" ", text)
+    return BARE_URL.sub(hole, text)
 
 
 SCALED = re.compile(r"(\d+(?:\.\d+)?)[ -](thousand|million|billion)\b")
@@ -348,7 +350,8 @@ def untranslated(en: str, zh: str) -> str:
 
 def check_block(en: str, zh: str) -> list[str]:
     """What a translation lost or changed of its English: links, refs, math, code,
-    headings, table columns, numbers; or that it is no translation at all."""
+    headings, table columns, numbers; or that it is no translation at all, or has a
+    stray space between two Chinese characters."""
     problems = [why] if (why := untranslated(en, zh)) else []
     s_en, s_zh = structure(en), structure(zh)
     for what in s_en:
@@ -366,6 +369,9 @@ def check_block(en: str, zh: str) -> list[str]:
     lost = lost_numbers(en, zh)
     if lost:
         problems.append(f"numbers of the English missing: {lost[:6]}")
+    spaced = CJK_SPACE_CJK.findall(prose(zh, hole="\0"))
+    if spaced:
+        problems.append(f"a space between Chinese characters: {spaced[:3]}")
     return problems
 
 
