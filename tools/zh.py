@@ -91,11 +91,10 @@ def _translates(b: dict) -> str | None:
 
 
 def _anchors(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The longest run of (cell, block) pairs in the same order on both sides
-    (patience-free LIS; ties go to the earliest block, so the result is deterministic)."""
-    pairs = sorted(pairs)
+    """The longest run of (cell, block) pairs in the same order on both sides (a longest
+    increasing subsequence; ties go to the earliest block, so the result is deterministic)."""
     best: list[list[tuple[int, int]]] = []   # best[k]: a chain of length k+1, smallest tail
-    for p in pairs:
+    for p in sorted(pairs):
         k = next((k for k, chain in enumerate(best) if chain[-1][1] >= p[1]), len(best))
         chain = (best[k - 1] if k else []) + [p]
         if k == len(best):
@@ -103,6 +102,65 @@ def _anchors(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             best[k] = chain
     return best[-1] if best else []
+
+
+def _same_english(old: list[dict], cells: list[tuple[int, str]]) -> dict[int, int]:
+    """Cell position -> the block that quoted its very English or, failing that, the stale
+    block whose translation was made for it. A second cell with the same English shares."""
+    by_en: dict[str, list[int]] = {}
+    by_made: dict[str, list[int]] = {}
+    for j, b in enumerate(old):
+        by_en.setdefault(cell_key(b["en"]), []).append(j)
+        if b["stale"] and _translates(b) is not None:
+            by_made.setdefault(cell_key(_translates(b)), []).append(j)
+    claimed: dict[int, int] = {}
+    for n, (_, en) in enumerate(cells):
+        key = cell_key(en)
+        for table in (by_en, by_made):
+            free = [j for j in table.get(key, []) if j not in claimed.values()]
+            if free or table.get(key):
+                claimed[n] = (free or table[key])[0]
+                break
+    return claimed
+
+
+def _edited(old: list[dict], cells: list[tuple[int, str]],
+            claimed: dict[int, int]) -> dict[int, int]:
+    """Changed cell position -> the translated block of its previous English (step 2 of
+    `plan`)."""
+    anchors = _anchors(list(claimed.items()))
+
+    def gap(pos: int, side: int) -> int:
+        return sum(a[side] < pos for a in anchors)
+
+    free_cells = [n for n in range(len(cells)) if n not in claimed]
+    free_blocks = [j for j in range(len(old)) if j not in claimed.values()]
+    candidates = []
+    for n in free_cells:
+        for j in free_blocks:
+            if old[j]["zh"]:
+                same = gap(n, 0) == gap(j, 1)
+                s = similarity(cells[n][1], old[j]["en"])
+                if s >= (SAME_GAP if same else ANYWHERE):
+                    candidates.append((-s, not same, abs(n - j), n, j))
+    edited: dict[int, int] = {}
+    for _, _, _, n, j in sorted(candidates):
+        if n not in edited and j not in edited.values():
+            edited[n] = j
+    # a rewrite in place: the only changed cell and the only unclaimed block between the
+    # same two anchors
+    by_gap: dict[int, tuple[list[int], list[int]]] = {}
+    for n in free_cells:
+        if n not in edited:
+            by_gap.setdefault(gap(n, 0), ([], []))[0].append(n)
+    for j in free_blocks:
+        if j not in edited.values():
+            by_gap.setdefault(gap(j, 1), ([], []))[1].append(j)
+    for ns, js in by_gap.values():
+        if len(ns) == len(js) == 1 and old[js[0]]["zh"] and \
+                similarity(cells[ns[0]][1], old[js[0]]["en"]) >= ALONE:
+            edited[ns[0]] = js[0]
+    return edited
 
 
 def plan(old: list[dict], cells: list[tuple[int, str]]) -> tuple[list[dict], list[dict]]:
@@ -120,83 +178,23 @@ def plan(old: list[dict], cells: list[tuple[int, str]]) -> tuple[list[dict], lis
        block is left unclaimed, takes it if ALONE alike. A paired cell gets the block's
        translation, marked stale, quoting the English the translation was made for;
     3. any other cell gets an empty block; a block no cell claimed is dropped."""
-    by_en: dict[str, list[int]] = {}
-    by_made: dict[str, list[int]] = {}
-    for j, b in enumerate(old):
-        by_en.setdefault(cell_key(b["en"]), []).append(j)
-        made = _translates(b)
-        if made is not None and b["stale"]:
-            by_made.setdefault(cell_key(made), []).append(j)
-    claimed: dict[int, int] = {}        # markdown cell position -> old block
-    used: set[int] = set()
-    for n, (_, en) in enumerate(cells):
-        key = cell_key(en)
-        for table in (by_en, by_made):
-            free = [j for j in table.get(key, []) if j not in used]
-            if free:
-                claimed[n] = free[0]
-                used.add(free[0])
-                break
-            if table.get(key):      # a second cell with the very same English
-                claimed[n] = table[key][0]
-                break
-    anchors = _anchors([(n, j) for n, j in claimed.items()])
-
-    def gap(pos: int, side: int) -> int:
-        return sum(a[side] < pos for a in anchors)
-
-    free_cells = [n for n in range(len(cells)) if n not in claimed]
-    free_blocks = [j for j in range(len(old)) if j not in used]
-    candidates = []
-    for n in free_cells:
-        for j in free_blocks:
-            if not old[j]["zh"]:
-                continue
-            same = gap(n, 0) == gap(j, 1)
-            s = similarity(cells[n][1], old[j]["en"])
-            if s >= (SAME_GAP if same else ANYWHERE):
-                candidates.append((-s, not same, abs(n - j), n, j))
-    edited: dict[int, int] = {}
-    for _, _, _, n, j in sorted(candidates):
-        if n not in edited and j not in used:
-            edited[n] = j
-            used.add(j)
-    # a cell rewritten in place: the only changed cell and the only unclaimed block
-    # between the same two anchors
-    by_gap: dict[int, tuple[list[int], list[int]]] = {}
-    for n in free_cells:
-        if n not in edited:
-            by_gap.setdefault(gap(n, 0), ([], []))[0].append(n)
-    for j in free_blocks:
-        if j not in used:
-            by_gap.setdefault(gap(j, 1), ([], []))[1].append(j)
-    for ns, js in by_gap.values():
-        if len(ns) == len(js) == 1 and old[js[0]]["zh"] and \
-                similarity(cells[ns[0]][1], old[js[0]]["en"]) >= ALONE:
-            edited[ns[0]] = js[0]
-            used.add(js[0])
+    claimed = _same_english(old, cells)
+    edited = _edited(old, cells, claimed)
     blocks = []
     for n, (i, en) in enumerate(cells):
-        key = cell_key(en)
+        block = {"cell": i, "key": cell_key(en), "stale": False, "en": en, "was": "",
+                 "zh": ""}
         if n in claimed:
             b = old[claimed[n]]
-            if cell_key(b["en"]) == key:      # the same English the block quoted
-                made = _translates(b)
-                stale = bool(b["zh"]) and made != en
-                blocks.append({"cell": i, "key": key, "stale": stale, "en": en,
-                               "was": (made or "") if stale else "", "zh": b["zh"]})
-            else:                             # back to the English of its translation
-                blocks.append({"cell": i, "key": key, "stale": False, "en": en,
-                               "was": "", "zh": b["zh"]})
+            made = en if cell_key(b["en"]) != block["key"] else _translates(b)
+            stale = bool(b["zh"]) and made != en
+            block.update(stale=stale, was=(made or "") if stale else "", zh=b["zh"])
         elif n in edited:
             b = old[edited[n]]
-            blocks.append({"cell": i, "key": key, "stale": True, "en": en,
-                           "was": _translates(b) or "", "zh": b["zh"]})
-        else:
-            blocks.append({"cell": i, "key": key, "stale": False, "en": en, "was": "",
-                           "zh": ""})
-    dropped = [b for j, b in enumerate(old) if j not in used and b["zh"]]
-    return blocks, dropped
+            block.update(stale=True, was=_translates(b) or "", zh=b["zh"])
+        blocks.append(block)
+    kept = set(claimed.values()) | set(edited.values())
+    return blocks, [b for j, b in enumerate(old) if j not in kept and b["zh"]]
 
 
 def sync(nb_path: Path) -> list[dict]:
