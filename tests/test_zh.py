@@ -230,3 +230,30 @@ def test_check_fails_on_a_space_between_chinese_characters():
     assert zh.check_block(en, "量化点积、路由专家和汇点注意力，作用于 `xp` 数组。") == []
     assert zh.check_block(en, "量化点积、路由专家和 汇点注意力，作用于 `xp` 数组。") == \
         ["a space between Chinese characters: ['和 汇']"]
+
+
+@pytest.mark.parametrize("language", ["zh_CN", "en"])
+def test_ui_config_only_on_chinese_pages(language, monkeypatch):
+    """What the zh build sets when Sphinx reads its configuration; the English one keeps
+    the theme's words."""
+    from types import SimpleNamespace
+
+    from sphinx import locale
+    booktheme = gettext.translation("booktheme", BOOKTHEME_LOCALES, ["zh_CN"])
+    translators = {("general", "sphinx"): gettext.NullTranslations(),
+                   ("general", "booktheme"): booktheme}
+    monkeypatch.setattr(locale, "translators", translators)
+    config = SimpleNamespace(language=language, html_theme_options={"logo": {}},
+                             togglebutton_hint="Click to show",
+                             togglebutton_hint_hide="Click to hide")
+    app = SimpleNamespace(config=config, translator=translators["general", "sphinx"])
+    edition._ui_config(app, config)
+    got = (config.html_theme_options, config.togglebutton_hint,
+           translators["general", "booktheme"].gettext("Print to PDF"))
+    if language == "en":
+        assert got == ({"logo": {}}, "Click to show", "列印成 PDF")
+    else:
+        assert got == ({"logo": {}, "search_bar_text": "搜索本书……"}, "点击显示", "打印为 PDF")
+        assert config.togglebutton_hint_hide == "点击隐藏"
+        assert app.translator is translators["general", "sphinx"]
+        assert app.translator.gettext("Color mode") == "颜色模式"
