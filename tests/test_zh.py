@@ -3,12 +3,14 @@ refs, math, code and headings; the build swaps the translations in and links the
 from __future__ import annotations
 
 import csv
+import gettext
 import json
 import posixpath
 import sys
 from pathlib import Path
 
 import pytest
+import sphinx_book_theme
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
@@ -57,9 +59,9 @@ def test_a_changed_english_cell_loses_its_translation():
 
 def test_stale_marks_and_parsing_round_trip(tmp_path):
     blocks = [{"cell": 3, "key": edition.cell_key("Hello"), "stale": True, "en": "Hello",
-               "zh": "你好"},
+               "was": "Hi", "zh": "你好"},
               {"cell": 5, "key": edition.cell_key("A $x$"), "stale": False,
-               "en": "A $x$", "zh": "一个 $x$"}]
+               "en": "A $x$", "was": "", "zh": "一个 $x$"}]
     path = tmp_path / "t.md"
     path.write_text(edition.format_translations(blocks))
     assert edition.parse_translations(path.read_text()) == blocks
@@ -95,3 +97,163 @@ def test_glossary_table():
     assert all(r["中文"] and r["where"] for r in rows)
     # a remark in one language has its twin in the other
     assert all(bool(r["remark"]) == bool(r["说明"]) for r in rows)
+
+
+# `check` compares each translation with its English beyond links and code: table columns,
+# numbers, and whether it was translated at all.
+EN_TABLE = ("Three formats:\n\n| format | bytes | weights |\n|---|---|---|\n"
+            "| Q8_0 | 34 | 32 |\n| Q2_K | 84 | 256 |")
+ZH_TABLE = ("三种格式：\n\n| 格式 | 字节 | 权重 |\n|---|---|---|\n"
+            "| Q8_0 | 34 | 32 |\n| Q2_K | 84 | 256 |")
+
+
+def test_check_passes_a_faithful_translation():
+    assert zh.check_block(EN_TABLE, ZH_TABLE) == []
+    en = ("DeepSeek V4 Flash has about 284 billion parameters in 43 layers; a token reads "
+          "13 billion of them, and the 3-D expert tensors hold 2 of its 8 sets.")
+    ok = "DeepSeek V4 Flash 约有 2840 亿参数，共 43 层；一个 token 读取 130 亿，三维专家张量存两组（共 8 组）。"
+    assert zh.check_block(en, ok) == []
+
+
+def test_check_fails_on_a_dropped_table_column():
+    dropped = ZH_TABLE.replace("| 字节 ", "").replace("|---|---|---|", "|---|---|") \
+        .replace("| 34 ", "").replace("| 84 ", "")
+    problems = zh.check_block(EN_TABLE, dropped)
+    assert len(problems) == 2     # the column and its numbers
+    assert problems[0].startswith("table columns differ from row 1 on (English [3, 3, 3]")
+    assert problems[1] == "numbers of the English missing: ['34', '84']"
+    # a row merged into another is a change of shape too, even with the same numbers
+    merged = ZH_TABLE.replace(" |\n| Q2_K", " | Q2_K")
+    assert any(p.startswith("table columns differ from row 3 on (English [3, 3]")
+               for p in zh.check_block(EN_TABLE, merged))
+
+
+def test_check_fails_on_a_changed_number():
+    problems = zh.check_block(EN_TABLE, ZH_TABLE.replace("| 256 |", "| 265 |"))
+    assert problems == ["numbers of the English missing: ['256']"]
+    en = "A decode reads 13 billion of the 284 billion parameters, at 1,024 tokens."
+    assert zh.check_block(en, "解码读取 2840 亿参数中的 120 亿，1,024 个 token 时。") == \
+        ["numbers of the English missing: ['13']"]
+    assert zh.check_block(en, "解码读取 2840 亿参数中的 130 亿，1024 个 token 时。") == []
+    # numerals stand for 0 to 10 only
+    assert zh.check_block("The 12 experts.", "十二个专家。") == \
+        ["numbers of the English missing: ['12']"]
+
+
+def test_check_fails_on_a_block_left_in_english():
+    en = "The scale of a block is stored as a half-precision float, see `d` and $d$."
+    assert zh.check_block(en, en) == ["left in English (no Chinese character)"]
+    two = en + ("\n\nThe quantized weights follow it, one signed byte for each weight, "
+                "and the kernel reads them in order.")
+    half = "块的缩放因子以半精度浮点存放，见 `d` 与 $d$。\n\n" + two.split("\n\n")[1]
+    assert zh.check_block(two, half) == ["half left in English (18 of its 30 English words)"]
+
+
+@pytest.mark.parametrize("block", [
+    "$$y = \\sum_i w_i x_i$$",
+    "```python\nprint(matvec_q8_0(w, x))\n```",
+    "[ds4.c](https://github.com/antirez/ds4) · [llama.cpp](https://github.com/ggml-org/llama.cpp)",
+    "(errata)=\n| `Q8_0` | `Q2_K` |\n|---|---|\n| 34 | 84 |",
+])
+def test_check_lets_code_math_and_names_stay_as_they_are(block):
+    """A block with no English word outside code, math, link targets and names
+    (ds4.c, llama.cpp, Q8_0) may be its own translation."""
+    assert zh.untranslated(block, block) == ""
+    assert zh.check_block(block, block) == []
+
+
+def test_check_names_the_chapter_and_cell(tmp_path, monkeypatch):
+    monkeypatch.setattr(zh, "LOCALE", tmp_path)
+    nb = ROOT / "book" / "09_small.ipynb"   # only its name is used
+    blocks = [{"cell": 4, "key": edition.cell_key(EN_TABLE), "stale": False,
+               "en": EN_TABLE, "was": "", "zh": ZH_TABLE.replace("256", "265")},
+              {"cell": 6, "key": edition.cell_key("Hello."), "stale": True, "en": "Hello.",
+               "was": "Hi.", "zh": "Hi."}]    # stale blocks wait for the translator
+    (tmp_path / "09_small.md").write_text(edition.format_translations(blocks))
+    assert zh.check(nb) == ["09_small.ipynb cell 4: numbers of the English missing: ['256']"]
+
+
+# The theme's own words on Chinese pages, in simplified Chinese.
+BOOKTHEME_LOCALES = (Path(sphinx_book_theme.__file__).parent / "theme" / "sphinx_book_theme"
+                     / "static" / "locales")
+
+
+def test_ui_words_are_simplified_chinese():
+    values = [v for group in edition.UI_ZH.values() for v in group.values()]
+    for v in values:
+        # GB 2312, the simplified character set, has no traditional character
+        "".join(zh.CJK.findall(v)).encode("gb2312")
+        assert zh.CJK.search(v) and "列印" not in v
+
+
+def test_ui_catalog_override_puts_simplified_chinese_first():
+    """sphinx-book-theme's own zh_CN catalog says 列印成 PDF (Taiwan's word); wrapped,
+    it says 打印为 PDF and keeps its other words."""
+    booktheme = gettext.translation("booktheme", BOOKTHEME_LOCALES, ["zh_CN"])
+    assert booktheme.gettext("Print to PDF") == "列印成 PDF"
+    translators = {("general", "booktheme"): booktheme}
+    edition.translate_catalogs(translators, edition.UI_ZH["catalog"])
+    edition.translate_catalogs(translators, edition.UI_ZH["catalog"])   # wraps once
+    wrapped = translators["general", "booktheme"]
+    assert wrapped.gettext("Print to PDF") == "打印为 PDF"
+    assert wrapped.gettext("Contents") == "目录"
+    assert wrapped.gettext("Fullscreen mode") == "全屏模式"
+    assert wrapped.gettext("an unknown phrase") == "an unknown phrase"
+    assert wrapped._fallback is booktheme
+
+
+def test_ui_prompts_of_folded_cells():
+    from docutils import nodes
+    tree = nodes.container()
+    for what in ("source", "content", "outputs"):
+        tree += nodes.container(prompt_show=f"Show code cell {what}",
+                                prompt_hide=f"Hide code cell {what}")
+    edition.translate_prompts(tree, edition.UI_ZH["prompts"])
+    got = [(n["prompt_show"], n["prompt_hide"]) for n in tree.children]
+    assert got == [("显示代码单元格源码", "隐藏代码单元格源码"),
+                   ("显示代码单元格内容", "隐藏代码单元格内容"),
+                   ("显示代码单元格输出", "隐藏代码单元格输出")]
+
+
+def test_ui_attributes_written_by_templates():
+    html = ('<button title="Toggle primary sidebar" data-x="Main"></button>'
+            '<summary aria-label="Toggle hidden content"><nav aria-label="Main">'
+            '<p title="Main text">Main</p>')
+    assert edition.translate_attributes(html, edition.UI_ZH["attributes"]) == (
+        '<button title="显示或隐藏主侧栏" data-x="Main"></button>'
+        '<summary aria-label="显示或隐藏折叠内容"><nav aria-label="主导航">'
+        '<p title="Main text">Main</p>')
+
+
+def test_check_fails_on_a_space_between_chinese_characters():
+    en = "Quantized dots, routed experts and sink attention, on `xp` arrays."
+    assert zh.check_block(en, "量化点积、路由专家和汇点注意力，作用于 `xp` 数组。") == []
+    assert zh.check_block(en, "量化点积、路由专家和 汇点注意力，作用于 `xp` 数组。") == \
+        ["a space between Chinese characters: ['和 汇']"]
+
+
+@pytest.mark.parametrize("language", ["zh_CN", "en"])
+def test_ui_config_only_on_chinese_pages(language, monkeypatch):
+    """What the zh build sets when Sphinx reads its configuration; the English one keeps
+    the theme's words."""
+    from types import SimpleNamespace
+
+    from sphinx import locale
+    booktheme = gettext.translation("booktheme", BOOKTHEME_LOCALES, ["zh_CN"])
+    translators = {("general", "sphinx"): gettext.NullTranslations(),
+                   ("general", "booktheme"): booktheme}
+    monkeypatch.setattr(locale, "translators", translators)
+    config = SimpleNamespace(language=language, html_theme_options={"logo": {}},
+                             togglebutton_hint="Click to show",
+                             togglebutton_hint_hide="Click to hide")
+    app = SimpleNamespace(config=config, translator=translators["general", "sphinx"])
+    edition._ui_config(app, config)
+    got = (config.html_theme_options, config.togglebutton_hint,
+           translators["general", "booktheme"].gettext("Print to PDF"))
+    if language == "en":
+        assert got == ({"logo": {}}, "Click to show", "列印成 PDF")
+    else:
+        assert got == ({"logo": {}, "search_bar_text": "搜索本书……"}, "点击显示", "打印为 PDF")
+        assert config.togglebutton_hint_hide == "点击隐藏"
+        assert app.translator is translators["general", "sphinx"]
+        assert app.translator.gettext("Color mode") == "颜色模式"

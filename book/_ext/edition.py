@@ -15,17 +15,29 @@ A translation file is a list of blocks, one per English markdown cell, in cell o
 
 A block marked `· stale` (written by `tools/zh.py sync` when the English changed) keeps its
 old translation for the translator to mend, and counts as missing until the mark is gone.
+Between its English and its translation it quotes the English that translation was made for:
 
-Every page of both editions also gets a link to its twin in the other edition.
+    === cell 7 · en 5b1e07aa93c2 · stale
+    <the English cell now>
+    --- was en 3f2a9c01b4de
+    <the English the translation below translates>
+    --- zh
+    <the old translation, to mend>
+
+Every page of both editions also gets a link to its twin in the other edition, and on the
+Chinese pages the theme's own words (buttons, tooltips, the search box) are in simplified
+Chinese: see `UI_ZH`.
 """
 from __future__ import annotations
 
+import gettext
 import hashlib
 import json
 import re
 from pathlib import Path
 
 HEADER = re.compile(r"^=== cell (\d+) · en ([0-9a-f]{12})( · stale)?$")
+WAS = re.compile(r"^--- was en [0-9a-f]{12}$")
 ZH_DIR = "zh"          # the Chinese edition's HTML lives in <html root>/zh/
 
 
@@ -35,29 +47,37 @@ def cell_key(english: str) -> str:
 
 
 def parse_translations(text: str) -> list[dict]:
-    """Blocks of a translation file: cell, key, stale, en, zh (in file order)."""
+    """Blocks of a translation file: cell, key, stale, en, was, zh (in file order).
+    `was` is the English a stale block's translation was made for ("" if not quoted)."""
     blocks, cur, part = [], None, None
     for line in text.split("\n"):
         m = HEADER.match(line)
         if m:
-            cur = {"cell": int(m[1]), "key": m[2], "stale": bool(m[3]), "en": [], "zh": []}
+            cur = {"cell": int(m[1]), "key": m[2], "stale": bool(m[3]),
+                   "en": [], "was": [], "zh": []}
             blocks.append(cur)
             part = "en"
-        elif cur is not None and line == "--- zh" and part == "en":
+        elif cur is not None and WAS.match(line) and part == "en":
+            part = "was"
+        elif cur is not None and line == "--- zh" and part in ("en", "was"):
             part = "zh"
         elif cur is not None:
             cur[part].append(line)
     for b in blocks:
-        b["en"] = "\n".join(b["en"]).strip()
-        b["zh"] = "\n".join(b["zh"]).strip()
+        for part in ("en", "was", "zh"):
+            b[part] = "\n".join(b[part]).strip()
     return blocks
 
 
 def format_translations(blocks: list[dict]) -> str:
+    """The text of a translation file; a block's `was` is written only while it is stale."""
     out = []
     for b in blocks:
         mark = " · stale" if b["stale"] else ""
-        out += [f"=== cell {b['cell']} · en {b['key']}{mark}", b["en"], "--- zh", b["zh"], ""]
+        out += [f"=== cell {b['cell']} · en {b['key']}{mark}", b["en"]]
+        if b["stale"] and b.get("was"):
+            out += [f"--- was en {cell_key(b['was'])}", b["was"]]
+        out += ["--- zh", b["zh"], ""]
     return "\n".join(out)
 
 
@@ -97,6 +117,104 @@ def twin_href(pagename: str, to_zh: bool) -> str:
     return f"{up}../{pagename}.html"
 
 
+# The theme's words on Chinese pages. Each extension takes them from a different place:
+UI_ZH = {
+    # message catalogs: sphinx-book-theme's zh_CN has the traditional 列印成 PDF, and
+    # Sphinx's and pydata-sphinx-theme's leave these empty or English
+    "catalog": {
+        "Print to PDF": "打印为 PDF",
+        "Color mode": "颜色模式",
+        "System Settings": "跟随系统",
+        "Link to this heading": "链接到此标题",
+        "© Copyright %(copyright)s.": "© 版权所有 %(copyright)s。",
+        "Copyright %(copyright)s": "版权所有 %(copyright)s",
+    },
+    # myst-nb's prompts of a folded cell ("Show code cell {type}")
+    "prompts": {
+        f"{verb} code cell {what}": f"{zh_verb}代码单元格{zh_what}"
+        for verb, zh_verb in (("Show", "显示"), ("Hide", "隐藏"))
+        for what, zh_what in (("source", "源码"), ("content", "内容"),
+                              ("output", "输出"), ("outputs", "输出"))
+    },
+    # words the templates and myst-nb write as they are, in these HTML attributes
+    "attributes": {
+        "Toggle primary sidebar": "显示或隐藏主侧栏",
+        "Toggle secondary sidebar": "显示或隐藏次侧栏",
+        "Toggle hidden content": "显示或隐藏折叠内容",
+        "Main": "主导航",
+        "Page": "本页导航",
+    },
+    # options of the theme and of sphinx-togglebutton
+    "config": {
+        "search_bar_text": "搜索本书……",
+        "togglebutton_hint": "点击显示",
+        "togglebutton_hint_hide": "点击隐藏",
+    },
+}
+UI_ATTRIBUTES = ("title", "aria-label", "placeholder", "data-bs-title")
+
+
+class _Overrides(gettext.NullTranslations):
+    """A message catalog whose own table comes first, then the catalog it wraps."""
+
+    def __init__(self, table: dict[str, str], fallback):
+        super().__init__()
+        self.table = table
+        self.add_fallback(fallback)
+
+    def gettext(self, message):
+        return self.table.get(message) or super().gettext(message)
+
+
+def translate_catalogs(translators: dict, table: dict[str, str]) -> None:
+    """Put `table` in front of every loaded catalog (Sphinx's, the themes')."""
+    for key, catalog in list(translators.items()):
+        if not isinstance(catalog, _Overrides):
+            translators[key] = _Overrides(table, catalog)
+
+
+def translate_prompts(doctree, table: dict[str, str]) -> None:
+    """The show/hide prompts of folded cells (set by myst-nb after its transforms)."""
+    for node in doctree.findall(lambda n: "prompt_show" in getattr(n, "attributes", {})):
+        for k in ("prompt_show", "prompt_hide"):
+            node[k] = table.get(node[k], node[k])
+
+
+def translate_attributes(html: str, table: dict[str, str]) -> str:
+    """Attribute values (tooltips, labels) that equal one of the table's English words."""
+    names = "|".join(UI_ATTRIBUTES)
+    return re.sub(rf'\b({names})="([^"]*)"',
+                  lambda m: f'{m[1]}="{table.get(m[2], m[2])}"', html)
+
+
+def _ui_config(app, config):
+    if not _is_zh(app):
+        return
+    from sphinx import locale
+    translate_catalogs(locale.translators, UI_ZH["catalog"])
+    app.translator = locale.translators["general", "sphinx"]
+    opts = UI_ZH["config"]
+    config.html_theme_options = {**(config.html_theme_options or {}),
+                                 "search_bar_text": opts["search_bar_text"]}
+    config.togglebutton_hint = opts["togglebutton_hint"]
+    config.togglebutton_hint_hide = opts["togglebutton_hint_hide"]
+
+
+def _ui_prompts(app, doctree, docname):
+    if _is_zh(app):
+        translate_prompts(doctree, UI_ZH["prompts"])
+
+
+def _ui_attributes(app, exception):
+    if exception or not _is_zh(app) or app.builder.format != "html":
+        return
+    for page in Path(app.outdir).rglob("*.html"):
+        text = page.read_text(encoding="utf-8")
+        new = translate_attributes(text, UI_ZH["attributes"])
+        if new != text:
+            page.write_text(new, encoding="utf-8")
+
+
 def _is_zh(app) -> bool:
     return (app.config.language or "").startswith("zh")
 
@@ -130,5 +248,9 @@ def _switch(app, pagename, templatename, context, doctree):
 def setup(app):
     app.connect("source-read", _translate)
     app.connect("html-page-context", _switch)
+    # before sphinx-togglebutton writes its hints into the pages' scripts
+    app.connect("config-inited", _ui_config, priority=100)
+    app.connect("doctree-resolved", _ui_prompts)
+    app.connect("build-finished", _ui_attributes)
     app.add_css_file("edition.css")
     return {"parallel_read_safe": True, "parallel_write_safe": True}
