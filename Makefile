@@ -1,10 +1,10 @@
-# The two commands of the README are `make book` and `make test`.
+# The two commands of the README are `make book` and `make test`; `make lab` opens the chapters.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install book test tangle check-tangle run-chapters bench clean
+.PHONY: install book lab test tangle check-tangle run-chapters bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ book: $(STAMP)
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	$(VPY) tools/zh.py build
 	$(VPY) -m ds4ref --raw -p "Return a" -n 32 --temp 0
+
+## open the chapters in JupyterLab; their kernel is .venv's Python, where ds4ref is installed
+## (JUPYTER_PATH puts .venv's kernel spec before any other "python3" on this machine)
+lab: $(STAMP)
+	JUPYTER_PATH=$(CURDIR)/$(VENV)/share/jupyter $(VENV)/bin/jupyter-lab --notebook-dir=book $(LAB_ARGS)
 
 ## every test: unit and oracle tests, the drift check, and nbval over every chapter
 test: $(STAMP)

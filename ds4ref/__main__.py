@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p in (0, 1]")
     p.add_argument("--min-p", type=float, default=0.05, help="min-p in [0, 1]")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the output before TEXT (repeat for several)")
     p.add_argument(
         "--seed", type=int, default=None, help="sampling seed (default: time-based)"
     )
@@ -111,6 +113,7 @@ def main(argv=None) -> int:
     from ds4ref.engine import Engine
     from ds4ref.session import SessionError
     from ds4ref.sample import SampleRNG, SamplingError, _check_params
+    from ds4ref.generation import GenerationError, StopStrings
 
     if args.summary:
         from ds4ref.cli import model_summary
@@ -119,7 +122,8 @@ def main(argv=None) -> int:
         return 0
     try:
         _check_params(args.temp, args.top_k, args.top_p, args.min_p)
-    except SamplingError as exc:
+        stops = StopStrings(args.stop)
+    except (SamplingError, GenerationError) as exc:
         print(f"ds4ref: {exc}", file=sys.stderr)
         return 2
     if args.tokens < 0:
@@ -211,13 +215,16 @@ def main(argv=None) -> int:
 
     room = s.ctx_size - s.pos
     n_new = 0 if room <= 1 else min(args.tokens, room - 1)
+    full = f"the context's end (--ctx {args.ctx})"
+    why = f"-n {args.tokens}" if n_new == args.tokens else full
     out = tok.stream_decoder()
-    generated = 0
+    generated, hit = 0, False
     t2 = time.perf_counter()
     speculative = args.temp == 0 and eng.has_mtp and eng.mtp_draft_tokens > 1
     while generated < n_new:
         t = s.sample(args.temp, args.top_k, args.top_p, args.min_p, rng)
         if t == tok.eos_id:
+            why = "EOS"
             break
         # ds4.c: greedy + MTP -> speculative steps
         if speculative and generated + 1 < n_new:
@@ -226,15 +233,23 @@ def main(argv=None) -> int:
             toks = [t]
         for t in toks:
             if t == tok.eos_id or generated >= n_new:
+                why = "EOS" if t == tok.eos_id else why
                 n_new = generated
                 break
-            sys.stdout.write(out(t))
+            text, hit = stops.feed(out(t))
+            sys.stdout.write(text)
             sys.stdout.flush()
             generated += 1
+            if hit:
+                why, n_new = "a --stop string", generated
+                break
         if generated < n_new and len(toks) == 1 and not speculative:
             s.eval(t)
     t3 = time.perf_counter()
-    sys.stdout.write(out(None) + "\n")
+    if not hit:   # what the decoder and the stop strings held back
+        text, hit = stops.feed(out(None))
+        sys.stdout.write(text if hit else text + stops.pending)
+    sys.stdout.write("\n")
     pre_s, dec_s = t1 - t0, t3 - t2
     evals = max(generated - 1, 0)
     print(
@@ -242,10 +257,12 @@ def main(argv=None) -> int:
         f"({len(prompt) / max(pre_s, 1e-9):.2f} tok/s)",
         file=sys.stderr,
     )
+    rate = f" ({evals / max(dec_s, 1e-9):.2f} tok/s)" if evals else ""  # one: no rate
     print(
-        f"decode: {generated} tokens in {dec_s:.2f} s "
-        f"({evals / max(dec_s, 1e-9):.2f} tok/s)"
-        f"  backend={getattr(eng.backend, 'name', eng.backend)} seed={seed}",
+        f"decode: {generated} token{'s' * (generated != 1)} in {dec_s:.2f} s{rate}, "
+        f"stopped at {why}"
+        f"  backend={getattr(eng.backend, 'name', eng.backend)}"
+        + (f" seed={seed}" if args.temp > 0 else ""),   # greedy draws nothing
         file=sys.stderr,
     )
     return 0

@@ -372,7 +372,7 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return (
-            f"GGUFFile({str(self.path)!r}, v{getattr(self, 'version', '?')}, "
+            f"GGUFFile({self.path.name!r}, v{getattr(self, 'version', '?')}, "
             f"{len(getattr(self, 'metadata', {}))} keys, "
             f"{len(getattr(self, 'tensors', {}))} tensors)"
         )
