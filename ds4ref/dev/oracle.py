@@ -141,13 +141,14 @@ def _distance(m: dict, argmax, golden, path: str, expert_ids) -> dict:
 
 class Rebuilds:
     """ds4.c rebuilt with other flags: each rebuild's distance to the golden rows, per
-    case ("A", "C", "bundled", "trained") and path, and the limits they set.
+    case ("A", "C", "bundled", "trained"; with name "rebuilds_steering" the steering
+    settings of chapter 11) and path, and the limits they set.
     Mirrors ds4.c: nothing (its Makefile build against six other builds of it)"""
 
-    def __init__(self, oracle_dir):
+    def __init__(self, oracle_dir, name: str = "rebuilds"):
         oracle_dir = Path(oracle_dir)
-        self.data = np.load(oracle_dir / "rebuilds.npz")
-        self.meta = json.loads((oracle_dir / "rebuilds.json").read_text())
+        self.data = np.load(oracle_dir / f"{name}.npz")
+        self.meta = json.loads((oracle_dir / f"{name}.json").read_text())
         self.variants = [v for v in self.meta["variants"] if v != "golden"]
 
     def distances(self, case: str, path: str, golden) -> dict:
@@ -156,8 +157,8 @@ class Rebuilds:
         for v in self.variants:
             key = f"{case}.{path}.{v}"
             m = {k: self.data[f"{key}.{k}"] for k in ("corr", "mean_abs", "max_abs")}
-            out[v] = _distance(m, self.data[f"{key}.argmax"], golden, path,
-                               self.data[f"{key}.expert_ids"])
+            ids = self.data.get(f"{key}.expert_ids")      # None: no expert log
+            out[v] = _distance(m, self.data[f"{key}.argmax"], golden, path, ids)
         return out
 
     def limits(self, case: str, path: str, golden, slack=REBUILD_SLACK) -> dict:

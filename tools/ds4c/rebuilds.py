@@ -11,6 +11,15 @@ must reproduce the golden files bit for bit, which checks the harness.
 
     python tools/ds4c/rebuilds.py --ds4 PATH/TO/ds4-checkout [--work DIR]
 writes data/oracle/rebuilds.npz and data/oracle/rebuilds.json.
+
+    python tools/ds4c/rebuilds.py --ds4 PATH/TO/ds4-checkout --steering
+writes data/oracle/rebuilds_steering.npz and .json: the same measures for chapter 11's steering goldens
+(data/oracle/ds4c_steering.npz: three settings, both paths, the recorded greedy tokens fed), from every build
+this machine can execute. Those goldens come from the Makefile build on the oracle's AVX-512 machine; here the
+Makefile flags (-march=native) give another build, kept as the sample "makefile" (on the oracle's machine kind
+it reproduces the goldens and adds a distance of 0). The variants with fixed targets (avx2, sse2) give the same
+binary on any host: on an AVX2-only Zen 3 they reproduced rebuilds.npz's rows of cases A, C and bundled bit for
+bit. avx512-w512 is skipped on a host without AVX-512. The goldens hold no expert log, so neither do these.
 """
 from __future__ import annotations
 
@@ -87,6 +96,79 @@ def run_variant(name: str, flags: str, ds4: Path, work: Path, extra: dict | None
     return out
 
 
+STEER_GOLDEN = "data/oracle/ds4c_steering.npz"
+STEER_ENV = {"none": None, "ffn1": {}, "ffn-2_attn0.5": {"DS4C_STEER_FFN": "-2", "DS4C_STEER_ATTN": "0.5"}}
+
+
+def host_has_avx512() -> bool:
+    flags = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    return "avx512f" in flags.split()
+
+
+def steering_variants() -> dict:
+    """The builds for the steering goldens: the Makefile flags as a sample, and every variant this host runs."""
+    out = {"makefile" if k == "golden" else k: v for k, v in VARIANTS.items()}
+    if not host_has_avx512():
+        del out["avx512-w512"]
+    return out
+
+
+def run_steering_variant(name: str, flags: str, ds4: Path, work: Path, reuse: bool = False) -> dict:
+    """One build on the three steering settings and both paths, fed the golden's greedy tokens."""
+    d = work / name
+    model = ORACLE / "dev_seed1.gguf"
+    if not (reuse and (d / "ds4c_run").exists()):
+        subprocess.run([str(ROOT / "tools/ds4c/build.sh"), str(ds4), str(model), str(d), *flags.split()],
+                       check=True, capture_output=True)
+    g, out = np.load(ROOT / STEER_GOLDEN), {}
+    for case, env in STEER_ENV.items():
+        env = None if env is None else dict(env, DS4C_STEER_FILE=str(ORACLE / "ds4c_steering_dirs.f32"))
+        for path in PATHS:
+            logits, _, _ = run(d, model, path, g["prompt_ids"], g[f"{case}.{path}_tokens"], d / "run", env=env)
+            ref = g[f"{case}.{path}_logits"]
+            key = f"{case}.{path}.{name}"
+            out.update({f"{key}.{k}": np.asarray(v, np.float32)
+                        for k, v in logit_agreement(logits, ref).items()})
+            out[f"{key}.bit_exact_rows"] = np.asarray((logits == ref).all(-1))
+            out[f"{key}.argmax"] = np.argmax(logits, axis=-1).astype(np.int16)
+    return out
+
+
+def machine() -> dict:
+    cc = subprocess.run([os.environ.get("CC", "gcc"), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    return {"compiler": cc, "cpu": cpu}
+
+
+def native_target() -> str:
+    """What -march=native means on this host (gcc's answer)."""
+    q = subprocess.run([os.environ.get("CC", "gcc"), "-march=native", "-Q", "--help=target"],
+                       capture_output=True, text=True).stdout
+    return next((l.split()[-1] for l in q.splitlines() if l.strip().startswith("-march=")), "?")
+
+
+def main_steering(args) -> None:
+    data, variants = {}, steering_variants()
+    for name, flags in variants.items():
+        print(f"{name:12s} {flags}", flush=True)
+        data.update(run_steering_variant(name, flags, args.ds4, args.work, args.reuse_builds))
+    out = ORACLE / "rebuilds_steering.npz"
+    np.savez_compressed(out, **data)
+    g = np.load(ROOT / STEER_GOLDEN)
+    meta = {"ds4_commit": "8d576642c39b9a2d782a80159ba84ef5a81c0b81", **machine(),
+            "native": native_target(), "variants": variants,
+            "makefile_reproduces_goldens": bool(all(data[f"{c}.{p}.makefile.bit_exact_rows"].all()
+                                                    for c in STEER_ENV for p in PATHS)),
+            "cases": {c: {"golden": STEER_GOLDEN, "model": "data/oracle/dev_seed1.gguf",
+                          "scales_attn_ffn": [float(v) for v in g[f"{c}.scales_attn_ffn"]]} for c in STEER_ENV},
+            "how": "tools/ds4c/rebuilds.py --steering: build.sh, 1 thread, ctx 1024, the golden's greedy tokens fed",
+            "keys": "{case}.{path}.{variant}.{corr,mean_abs,max_abs,bit_exact_rows,argmax}; rows as "
+                    "{case}.{path}_logits of the golden file"}
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    print("wrote", out, "and", out.with_suffix(".json"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ds4", type=Path, required=True, help="a checkout of antirez/ds4 at commit 8d57664")
@@ -98,7 +180,11 @@ def main() -> None:
                     help="where to write (the .json goes next to it); use another path with --only")
     ap.add_argument("--reuse-builds", action="store_true",
                     help="keep the builds already in --work (same source, same flags)")
+    ap.add_argument("--steering", action="store_true",
+                    help="chapter 11's steering goldens instead: writes data/oracle/rebuilds_steering.*")
     args = ap.parse_args()
+    if args.steering:
+        return main_steering(args)
     extra = {}
     for spec in args.case:
         name, _, files = spec.partition("=")
@@ -113,10 +199,7 @@ def main() -> None:
         print(f"{name:12s} {flags}", flush=True)
         data.update(run_variant(name, flags, args.ds4, args.work, extra, args.reuse_builds))
     np.savez_compressed(args.out, **data)
-    cc = subprocess.run([os.environ.get("CC", "gcc"), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor())
-    meta = {"ds4_commit": "8d576642c39b9a2d782a80159ba84ef5a81c0b81", "compiler": cc, "cpu": cpu,
+    meta = {"ds4_commit": "8d576642c39b9a2d782a80159ba84ef5a81c0b81", **machine(),
             "variants": {k: v for k, v in VARIANTS.items() if not args.only or k in args.only},
             "cases": {name: {"golden": golden, "model": model} for name, (golden, model) in (CASES | extra).items()
                       if (ROOT / golden).exists()},
