@@ -208,9 +208,9 @@ def test_as_close_to_ds4c_as_ds4c_rebuilt_with_other_flags(case, path, backend, 
 @pytest.mark.parametrize("path", ["batch", "stream"])
 def test_expert_decisions_within_the_rebuild_yardstick(case, path, request, engine, rebuilds):
     """Free-running expert choices against ds4's, on the three decision measures of appendix A.5: the
-    largest ds4 margin at which a set differs, the share of chosen experts not ds4's, the sets differing
-    where ds4's margin is clear (> 1e-2). Each is no further than ds4.c's own rebuilds' choices
-    (rebuilds.npz) plus 25 %: a free run's decisions flip with its rounding chaos, so a fixed share or
+    share of chosen experts not ds4's, the sets differing where ds4's margin is clear (> 1e-2) and where
+    it is wide (> 0.05). Each is no further than ds4.c's own rebuilds' choices (rebuilds.npz) plus 25 %
+    (a count also its noise): a free run's decisions flip with its rounding chaos, so a fixed share or
     margin met on one machine is not a criterion (ds4.c's rebuilds differ up to margin 0.078)."""
     runs, golden = request.getfixturevalue(f"runs_{case}"), request.getfixturevalue(f"golden_{case}")
     tr, cfg = runs[path, False]["trace"], engine.cfg
@@ -238,8 +238,10 @@ def _indexer_selected(tr, golden, path, cfg) -> np.ndarray:
 def test_indexer_decisions_within_the_rebuild_yardstick(path, runs_A, golden_A, engine, oracle_dir):
     """Selections happen exactly where ds4's do (n_comp > top_k: exact on any machine), and the
     selected row sets are no further from ds4's than the sets of ds4.c's rebuilds, plus 25 %, on the
-    three decision measures (data/oracle/rebuilds_indexer.*: six builds of ds4.c patched to log the
-    indexer; its AVX2 and SSE2 builds gave rebuilds.npz's logits bit for bit)."""
+    three decision measures (rows not ds4's, sets differing, sets differing where ds4's margin > 0.1;
+    data/oracle/rebuilds_indexer.*: six builds of ds4.c patched to log the indexer; its AVX2 and SSE2
+    builds gave rebuilds.npz's logits bit for bit). Not the largest margin at which a set differs: one
+    FP4-rounded score swaps a row at margin 0.2-0.35 in ds4.c's own rebuilds, 0.3 in ds4ref."""
     tr, cfg = runs_A[path, False]["trace"], engine.cfg
     sel = golden_A[f"trace_{path}_indexer_selected"]
     ours = _indexer_selected(tr, golden_A, path, cfg)

@@ -211,10 +211,12 @@ class Rebuilds:
         return judge(f"case {case} {path}, some rows", d, lim)
 
 
-EXPERT_MEASURES = ("largest ds4 margin where an expert set differs",
-                   "share of chosen experts not ds4's", COUNTS[0])
-INDEXER_MEASURES = ("largest ds4 margin where an indexer set differs",
-                    "share of selected rows not ds4's", "indexer sets differing")
+EXPERT_MEASURES = ("share of chosen experts not ds4's", COUNTS[0],
+                   "expert sets differing, margin > 0.05")
+INDEXER_MEASURES = ("share of selected rows not ds4's", "indexer sets differing",
+                    "indexer sets differing, margin > 0.1")
+# the ds4 margins above which the second and third measure count differing sets
+COUNTED_ABOVE = {"experts": (DECISION_MARGIN, 0.05), "indexer": (-np.inf, 0.1)}
 
 
 def shared_ids(ours, want) -> np.ndarray:
@@ -227,7 +229,8 @@ def shared_ids(ours, want) -> np.ndarray:
 def decision_distance(chosen, golden, path: str, kind: str) -> dict:
     """The measures of chosen sets [R, layers, k] ("experts": ids of the top-k layers;
     "indexer": rows of the ratio-4 layers, -1 for no selection) against ds4.c's,
-    where ds4.c chose; each larger is further."""
+    where ds4.c chose, each larger is further: the share of chosen ids not ds4's and
+    two counts of differing sets, above a clear ds4 margin and above a wide one."""
     key, names = {"experts": ("expert", EXPERT_MEASURES),
                   "indexer": ("indexer", INDEXER_MEASURES)}[kind]
     want = golden[f"trace_{path}_{key}_{'ids' if kind == 'experts' else 'selected'}"]
@@ -235,10 +238,10 @@ def decision_distance(chosen, golden, path: str, kind: str) -> dict:
     live = want[..., 0] >= 0
     common = shared_ids(np.asarray(chosen)[: len(want)][live], want[live])
     differ, m = common < want.shape[-1], margin[live]
-    counted = differ & (m > DECISION_MARGIN) if kind == "experts" else differ
-    return {names[0]: float(m[differ].max(initial=0.0)),
-            names[1]: float(1 - common.mean() / want.shape[-1]),
-            names[2]: int(counted.sum())}
+    lo, hi = COUNTED_ABOVE[kind]
+    return {names[0]: float(1 - common.mean() / want.shape[-1]),
+            names[1]: int((differ & (m > lo)).sum()),
+            names[2]: int((differ & (m > hi)).sum())}
 
 
 def check_decisions(rebuilds, case: str, path: str, golden, chosen, kind: str) -> dict:
@@ -248,7 +251,7 @@ def check_decisions(rebuilds, case: str, path: str, golden, chosen, kind: str) -
     field = {"experts": "expert_ids", "indexer": "indexer_selected"}[kind]
     d = [decision_distance(rebuilds.data[f"{case}.{path}.{v}.{field}"], golden, path, kind)
          for v in rebuilds.variants]
-    counts = (EXPERT_MEASURES[2], INDEXER_MEASURES[2])
+    counts = EXPERT_MEASURES[1:] + INDEXER_MEASURES[1:]
     lim = {k: yardstick_limit(max(x[k] for x in d), k in counts) for k in d[0]}
     ours = decision_distance(chosen, golden, path, kind)
     return judge(f"case {case} {path}, {kind}", ours, lim, counts)
