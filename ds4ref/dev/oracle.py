@@ -199,7 +199,8 @@ class Rebuilds:
         view, d = rows_view(golden, path, index), []
         for v in self.variants:
             key = f"{case}.{path}.{v}"
-            m = {k: self.data[f"{key}.{k}"][index] for k in ("corr", "mean_abs", "max_abs")}
+            m = {k: self.data[f"{key}.{k}"][index]
+                 for k in ("corr", "mean_abs", "max_abs")}
             d.append(_distance(m, self.data[f"{key}.argmax"][index], view, path, None))
         return {k: yardstick_limit(max(x[k] for x in d), k in COUNTS) for k in d[0]}
 
@@ -220,7 +221,7 @@ COUNTED_ABOVE = {"experts": (DECISION_MARGIN, 0.05), "indexer": (-np.inf, 0.1)}
 
 
 def shared_ids(ours, want) -> np.ndarray:
-    """How many ids each chosen set of ours [..., k] shares with ds4.c's want [..., k]."""
+    """How many ids each chosen set of ours [..., k] shares with ds4.c's [..., k]."""
     a, b = ours.reshape(-1, ours.shape[-1]), want.reshape(-1, want.shape[-1])
     n = [len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b)]
     return np.array(n).reshape(want.shape[:-1])
@@ -249,8 +250,8 @@ def check_decisions(rebuilds, case: str, path: str, golden, chosen, kind: str) -
     rebuild's own choices (for "indexer" the rebuilds with an indexer log,
     `Rebuilds(oracle_dir, "rebuilds_indexer")`); claims, or YardstickError."""
     field = {"experts": "expert_ids", "indexer": "indexer_selected"}[kind]
-    d = [decision_distance(rebuilds.data[f"{case}.{path}.{v}.{field}"], golden, path, kind)
-         for v in rebuilds.variants]
+    d = [decision_distance(rebuilds.data[f"{case}.{path}.{v}.{field}"], golden, path,
+                           kind) for v in rebuilds.variants]
     counts = EXPERT_MEASURES[1:] + INDEXER_MEASURES[1:]
     lim = {k: yardstick_limit(max(x[k] for x in d), k in counts) for k in d[0]}
     ours = decision_distance(chosen, golden, path, kind)
