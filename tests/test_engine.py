@@ -18,7 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds4ref.dev.oracle import (
+    EXPERT_MEASURES,
+    INDEXER_MEASURES,
     Rebuilds,
+    check_decisions,
+    stacked,
     SHADOW_TRACE,
     YardstickError,
     distance_to_golden,
@@ -88,7 +92,9 @@ def _rows(run, golden, path):
 @pytest.mark.parametrize("path", ["batch", "stream"])
 def test_logits_with_ds4_decisions_forced_meet_the_tight_aim(case, path, request):
     """With ds4's expert and indexer choices replayed, every row is within corr >= 0.995, max |d| <= 1.0
-    (closer to ds4.c than llama.cpp's port gets: corr >= 0.984, max abs <= 1.58) and the loose mean bound."""
+    (closer to ds4.c than llama.cpp's port gets: corr >= 0.984, max abs <= 1.58) and the loose mean bound.
+    A fixed bound is sound here: with no decision left to flip, the two runs drift apart continuously
+    by rounding (a flipped Q8_0 code moves a projection by ~1e-2 relative, not a row by an expert)."""
     runs, golden = request.getfixturevalue(f"runs_{case}"), request.getfixturevalue(f"golden_{case}")
     ours, ref = _rows(runs[path, True], golden, path)
     m = logit_agreement(ours, ref)
@@ -198,64 +204,53 @@ def test_as_close_to_ds4c_as_ds4c_rebuilt_with_other_flags(case, path, backend, 
     rebuilds.check(case, path, golden, ours)
 
 
-def _ds4_cross_path_expert_mismatch(golden, lo):
-    """ds4.c against itself: batch vs stream expert sets at prompt positions where the stream margin > lo."""
-    P = len(golden["prompt_ids"])
-    b, s = golden["trace_batch_expert_ids"][:P], golden["trace_stream_expert_ids"][:P]
-    m = golden["trace_stream_expert_margin"][:P]
-    diff = np.array([[set(b[p, j]) != set(s[p, j]) for j in range(b.shape[1])] for p in range(P)])
-    return int(diff[m > lo].sum()), int((m > lo).sum())
-
-
 @pytest.mark.parametrize("case", ["A", "C"])
 @pytest.mark.parametrize("path", ["batch", "stream"])
-def test_expert_decisions_match_ds4c_where_margin_is_clear(case, path, request, engine):
-    """Same expert set wherever ds4's margin >= 0.1; above 1e-2 at most 10 % differ (the end-to-end state
-    differs from ds4's by rounding chaos; ds4.c's own batch path differs from its stream path too)."""
+def test_expert_decisions_within_the_rebuild_yardstick(case, path, request, engine, rebuilds):
+    """Free-running expert choices against ds4's, on the three decision measures of appendix A.5: the
+    share of chosen experts not ds4's, the sets differing where ds4's margin is clear (> 1e-2) and where
+    it is wide (> 0.05). Each is no further than ds4.c's own rebuilds' choices (rebuilds.npz) plus 25 %
+    (a count also its noise): a free run's decisions flip with its rounding chaos, so a fixed share or
+    margin met on one machine is not a criterion (ds4.c's rebuilds differ up to margin 0.078)."""
     runs, golden = request.getfixturevalue(f"runs_{case}"), request.getfixturevalue(f"golden_{case}")
     tr, cfg = runs[path, False]["trace"], engine.cfg
-    ids, margin = golden[f"trace_{path}_expert_ids"], golden[f"trace_{path}_expert_margin"]
     routed = [il for il in range(cfg.n_layer) if il >= cfg.n_hash_layer]
     ours = np.stack([tr.series("exp_ids", il)[1] for il in routed], axis=1)     # [P+S, 3, 6]
-    assert ours.shape == ids.shape
-    differ = np.array([[set(ours[p, j].tolist()) != set(ids[p, j].tolist()) for j in range(len(routed))]
-                       for p in range(len(ids))])
-    slots = np.mean([len(set(ours[p, j].tolist()) & set(ids[p, j].tolist())) / 6
-                     for p in range(len(ids)) for j in range(len(routed))])
-    own = _ds4_cross_path_expert_mismatch(golden, DECISION_MARGIN)
-    print(f"case {case} {path}: expert sets differ at margin >= 0.1: {int(differ[margin >= 0.1].sum())}"
-          f"/{int((margin >= 0.1).sum())}; > 1e-2: {int(differ[margin > DECISION_MARGIN].sum())}"
-          f"/{int((margin > DECISION_MARGIN).sum())} (ds4 batch vs its stream: {own[0]}/{own[1]}); "
-          f"experts in common {slots:.4f}")
-    assert differ[margin >= 0.1].sum() == 0
-    assert differ[margin > DECISION_MARGIN].mean() <= 0.10
-    assert slots >= 0.965
+    assert ours.shape == golden[f"trace_{path}_expert_ids"].shape
+    claims = check_decisions(rebuilds, case, path, golden, ours, "experts")
+    print(f"case {case} {path}: {claims}")
+    assert set(claims) == set(EXPERT_MEASURES)
+
+
+def _indexer_selected(tr, golden, path, cfg) -> np.ndarray:
+    """The indexer's selected rows a run traced, [P+S, ratio-4 layers, top_k] (-1: kept every row)."""
+    sel = golden[f"trace_{path}_indexer_selected"]
+    indexed = [il for il in range(cfg.n_layer) if cfg.compress_ratio(il) == 4]
+    out = np.full(sel.shape, -1, np.int32)
+    for j, il in enumerate(indexed):
+        for p in range(len(sel)):
+            if f"L{il}.P{p}.idx_selected" in tr:
+                out[p, j] = np.sort(tr[f"L{il}.P{p}.idx_selected"])
+    return out
 
 
 @pytest.mark.parametrize("path", ["batch", "stream"])
-def test_indexer_decisions_match_ds4c_as_well_as_ds4_matches_itself(path, runs_A, golden_A, engine):
-    """Selections happen exactly where ds4's do, and the selected rows overlap ds4's at least as well
-    (within 3 points) as ds4.c's own batch and stream paths overlap each other."""
+def test_indexer_decisions_within_the_rebuild_yardstick(path, runs_A, golden_A, engine, oracle_dir):
+    """Selections happen exactly where ds4's do (n_comp > top_k: exact on any machine), and the
+    selected row sets are no further from ds4's than the sets of ds4.c's rebuilds, plus 25 %, on the
+    three decision measures (rows not ds4's, sets differing, sets differing where ds4's margin > 0.1;
+    data/oracle/rebuilds_indexer.*: six builds of ds4.c patched to log the indexer; its AVX2 and SSE2
+    builds gave rebuilds.npz's logits bit for bit). Not the largest margin at which a set differs: one
+    FP4-rounded score swaps a row at margin 0.2-0.35 in ds4.c's own rebuilds, 0.3 in ds4ref."""
     tr, cfg = runs_A[path, False]["trace"], engine.cfg
     sel = golden_A[f"trace_{path}_indexer_selected"]
-    indexed = [il for il in range(cfg.n_layer) if cfg.compress_ratio(il) == 4]
-    common = total = 0
-    for j, il in enumerate(indexed):
-        for p in range(len(sel)):
-            key = f"L{il}.P{p}.idx_selected"
-            if sel[p, j, 0] < 0:
-                assert key not in tr, f"{key}: we selected rows where ds4 kept all"
-                continue
-            assert key in tr, f"{key}: ds4 selected rows, we did not"
-            common += len(set(tr[key].tolist()) & set(sel[p, j].tolist()))
-            total += sel.shape[2]
-    P = len(golden_A["prompt_ids"])
-    b, s = golden_A["trace_batch_indexer_selected"][:P], golden_A["trace_stream_indexer_selected"][:P]
-    own = [len(set(b[p, j].tolist()) & set(s[p, j].tolist())) / 16
-           for p in range(P) for j in range(len(indexed)) if s[p, j, 0] >= 0]
-    print(f"{path}: indexer rows in common with ds4 {common / total:.4f}; ds4 batch vs stream {np.mean(own):.4f}")
-    assert total > 1000
-    assert common / total >= np.mean(own) - 0.03
+    ours = _indexer_selected(tr, golden_A, path, cfg)
+    np.testing.assert_array_equal(ours[..., 0] < 0, sel[..., 0] < 0)
+    assert (sel[..., 0] >= 0).sum() > 60
+    claims = check_decisions(Rebuilds(oracle_dir, "rebuilds_indexer"), "A", path, golden_A, ours,
+                             "indexer")
+    print(f"{path}: {claims}")
+    assert set(claims) == set(INDEXER_MEASURES)
 
 
 # ------------------------------------------------- shadow decisions: our logic on ds4's forced path
@@ -308,18 +303,22 @@ def test_decision_logic_reproduces_ds4_choices_from_ds4_inputs(engine, ops_A):
 
 def test_forced_state_is_close_to_ds4s_where_decisions_are_made(forced_state_error):
     """With ds4's decisions replayed, our router scores stay within 0.06 of ds4's recorded ones
-    (measured 0.037) and the FP4-rounded indexer scores within 0.6 (measured 0.39, on scores up to ~3)."""
+    (measured 0.037) and the FP4-rounded indexer scores within 0.6 (measured 0.39, on scores up to ~3).
+    Fixed bounds are sound here: with every decision replayed the state drifts continuously by
+    rounding, about as far under every setting of tools/check_portability.sh."""
     err_r, err_i = forced_state_error
     assert err_r <= 0.06 and err_i <= 0.6
 
 
 @pytest.mark.parametrize("path", ["batch", "stream"])
-def test_shadow_expert_decisions_differ_only_within_the_state_error(path, runs_A, golden_A, forced_state_error):
+def test_shadow_expert_decisions_differ_only_within_the_state_error(path, runs_A, golden_A, forced_state_error,
+                                                                    rebuilds):
     """ds4's decisions forced, our own (shadow) choice computed at every position of case A: no expert set
-    differs where ds4's margin exceeds 2 x the router score error (a swap needs |error_i - error_j| > margin);
-    measured: worst differing margin 0.043 (batch) / 0.033 (stream) against 2 x 0.037. The share differing
-    above 1e-2 stays <= 10 % (measured ~6 %, as free-running: the drift is rounding inside each token, not
-    a cascade of decision flips)."""
+    differs where ds4's margin exceeds 2 x the router score error (a swap needs |error_i - error_j| > margin;
+    derived, so it holds wherever the measured error does); measured: worst differing margin 0.043 (batch)
+    / 0.033 (stream) against 2 x 0.037. And the shadows, like the free run's choices, are within the rebuild
+    yardstick's decision measures (the drift that flips them is rounding inside each token, not a cascade
+    of decision flips)."""
     err_r, _ = forced_state_error
     margin = golden_A[f"trace_{path}_expert_margin"]
     shadow = decision_mismatches(runs_A[path, True]["decisions"], golden_A, path)["experts"]
@@ -329,16 +328,18 @@ def test_shadow_expert_decisions_differ_only_within_the_state_error(path, runs_A
     print(f"{path}: shadow expert sets differ above 1e-2: {int(shadow[clear].sum())}/{int(clear.sum())} "
           f"(free-running {int(free[clear].sum())}); worst differing margin {worst:.4f}, 2 x error {2 * err_r:.4f}")
     assert not shadow[margin > 2 * err_r].any()
-    assert shadow[clear].mean() <= 0.10
+    check_decisions(rebuilds, "A", path, golden_A, stacked(runs_A[path, True]["decisions"], "experts"),
+                    "experts")
     np.testing.assert_array_equal(runs_A[path, False]["decisions"]["experts"][3],
                                   runs_A[path, False]["trace"].series("exp_ids", 3)[1])   # free: shadow = used
 
 
 @pytest.mark.parametrize("path", ["batch", "stream"])
-def test_shadow_indexer_decisions_differ_only_within_the_state_error(path, runs_A, golden_A, forced_state_error):
+def test_shadow_indexer_decisions_differ_only_within_the_state_error(path, runs_A, golden_A, forced_state_error,
+                                                                     oracle_dir):
     """ds4's decisions forced: the shadow indexer selects exactly where ds4 does (n_comp > top_k), no row
-    set differs where ds4's margin exceeds 2 x the indexer score error, and the rows overlap ds4's at least
-    as well (within 3 points) as ds4.c's own batch and stream paths overlap."""
+    set differs where ds4's margin exceeds 2 x the indexer score error (derived, as for the experts), and
+    the sets are within the rebuild yardstick's decision measures (rebuilds_indexer.*)."""
     _, err_i = forced_state_error
     sel = golden_A[f"trace_{path}_indexer_selected"]
     margin = golden_A[f"trace_{path}_indexer_margin"]
@@ -348,28 +349,25 @@ def test_shadow_indexer_decisions_differ_only_within_the_state_error(path, runs_
     shadow = decision_mismatches(runs_A[path, True]["decisions"], golden_A, path)["indexer"]
     assert not shadow[margin > 2 * err_i].any()
     live = sel[..., 0] >= 0
-    overlap = np.mean([len(set(ours[p, j].tolist()) & set(sel[p, j].tolist())) / sel.shape[2]
-                       for p, j in zip(*np.nonzero(live))])
-    P = len(golden_A["prompt_ids"])
-    b, s = golden_A["trace_batch_indexer_selected"][:P], golden_A["trace_stream_indexer_selected"][:P]
-    own = np.mean([len(set(b[p, j].tolist()) & set(s[p, j].tolist())) / 16
-                   for p in range(P) for j in range(2) if s[p, j, 0] >= 0])
+    claims = check_decisions(Rebuilds(oracle_dir, "rebuilds_indexer"), "A", path, golden_A, ours, "indexer")
     print(f"{path}: shadow indexer sets differ {int(shadow[live].sum())}/{int(live.sum())}, worst margin "
-          f"{float(np.nanmax(np.where(shadow, margin, np.nan))):.3f}; rows shared {overlap:.4f} (ds4 vs itself {own:.4f})")
-    assert overlap >= own - 0.03
+          f"{float(np.nanmax(np.where(shadow, margin, np.nan))):.3f}; {claims}")
 
 
 @pytest.mark.parametrize("case", ["A", "C"])
-def test_greedy_tokens_up_to_first_near_tie(case, request, golden_json):
+def test_greedy_tokens_where_ds4s_gap_is_wide(case, request, golden_json, rebuilds):
+    """The greedy tokens (batch path, teacher-forced) at every step whose ds4 top1-top2 gap is >= 0.25
+    (the oracle README's near-tie rule), held to the rebuild yardstick on those rows: no more tokens
+    differing from ds4's than ds4.c's rebuilds have there, plus a count's noise (five of six rebuilds
+    pick another token at one such step of case A), and every logit measure of those rows within it."""
     runs, golden = request.getfixturevalue(f"runs_{case}"), request.getfixturevalue(f"golden_{case}")
     gaps = golden_json["cases"][case]["greedy_top1_top2_gap"]
     ours = np.vstack([runs["batch", False]["prompt_logits"][None], runs["batch", False]["step_logits"]])
-    gap_list = [gaps["prompt"]] + gaps["steps"]
-    n = 0
-    while n < len(gap_list) and gap_list[n] >= NEAR_TIE and n < len(golden["greedy_tokens"]):
-        assert int(np.argmax(ours[n])) == int(golden["greedy_tokens"][n]), f"greedy token {n}"
-        n += 1
-    assert n >= 1
+    n = len(golden["greedy_tokens"])
+    np.testing.assert_array_equal(golden_rows(golden, "batch")[:n].argmax(1), golden["greedy_tokens"])
+    wide = np.flatnonzero(np.array([gaps["prompt"]] + gaps["steps"])[:n] >= NEAR_TIE)
+    assert len(wide) >= 1
+    print(f"case {case}: {len(wide)} wide-gap steps:", rebuilds.check_rows(case, "batch", golden, ours[wide], wide))
 
 
 def test_batch_and_stream_runs_agree_exactly_on_the_prompt(runs_A, runs_C):
@@ -377,11 +375,15 @@ def test_batch_and_stream_runs_agree_exactly_on_the_prompt(runs_A, runs_C):
         np.testing.assert_array_equal(runs["batch", False]["prompt_logits"], runs["stream", False]["pos_logits"][-1])
 
 
-def test_forced_decisions_bring_logits_closer(runs_A, golden_A):
+def test_forced_decisions_bring_logits_closer(runs_A, golden_A, rebuilds):
+    """With ds4's decisions replayed, the mean row distance to ds4.c (mean over rows of mean |d|) is below
+    that of every free-running rebuild of ds4.c (measured 0.086 / 0.085 on the batch / stream path against
+    the closest rebuilds' 0.092 / 0.104). A forced run drifts continuously, so its distance moves little by
+    machine; the rebuilds' are fixed data. (Not against this machine's own free run: that one is chaotic.)"""
     for path in ("batch", "stream"):
-        free = logit_agreement(*_rows(runs_A[path, False], golden_A, path))
-        forced = logit_agreement(*_rows(runs_A[path, True], golden_A, path))
-        assert forced["mean_abs"].mean() <= free["mean_abs"].mean() + 1e-3, path
+        forced = logit_agreement(*_rows(runs_A[path, True], golden_A, path))["mean_abs"].mean()
+        closest = min(rebuilds.data[f"A.{path}.{v}.mean_abs"].mean() for v in rebuilds.variants)
+        assert forced < closest, (path, forced, closest)
 
 
 def test_decisions_from_golden_layout(golden_A, engine):
@@ -542,9 +544,12 @@ def test_argmax_sample_and_top_logprobs(engine):
     assert a == b
 
 
-def test_trace_keys_match_ops_names(engine, ops_A):
+def test_trace_keys_match_ops_names(engine, ops_A, golden_A, rebuilds):
     """A decode of token 0 at position 0 (ops_A's P0 run) captures ds4's op names at their keys; the
-    layer-0 attention values equal ds4's up to the heads (float noise)."""
+    layer-0 attention values equal ds4's up to the heads (float noise); the logits, after three routed
+    layers whose choices may flip, are within the rebuild yardstick of ds4's first stream row (ds4ref's
+    decode and prefill give the same bits; ds4.c's own decode path at P0, which ops_A records, is 0.55
+    from its prefill)."""
     tr = Trace(positions=[0])
     s = engine.session(64)
     s.trace = tr
@@ -559,7 +564,8 @@ def test_trace_keys_match_ops_names(engine, ops_A):
         assert f"P0.{name}" in tr and tr[f"P0.{name}"].shape == ops_A[f"P0.{name}"].shape, name
     for name in ("hc_in", "attn_norm", "q_rope", "kv_stored", "heads_unrope"):
         np.testing.assert_allclose(tr[f"L0.P0.{name}"], ops_A[f"L0.P0.{name}"], rtol=1e-5, atol=2e-6)
-    assert logit_agreement(tr["P0.logits"], ops_A["P0.logits"])["corr"] > 0.98
+    assert golden_A["prompt_ids"][0] == ops_A["P0.token"][0]
+    rebuilds.check_rows("A", "stream", golden_A, tr["P0.logits"][None], [0])
 
 
 def test_output_head_matches_ds4c_ops(engine, ops_A):

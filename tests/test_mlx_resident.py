@@ -105,7 +105,9 @@ def test_ops_on_ops_A(dev, ops_A, positions, model):
         assert worst[name] == 0.0, (name, worst[name])
     for name in ("Q8_0 matvec", "hc_pre", "rope", "indexer_qat"):
         assert worst[name] < 2e-6, (name, worst[name])
-    # within 1e-5 unless an int8 code moves (a half-step tie), far below 1e-2 then
+    # one sub-layer on ds4's recorded input: no expert choice can flip (ds4's margins at these
+    # positions are >= 0.014, the router's error here ~1e-6), so within 1e-5 unless an int8 code
+    # moves (a half-step tie), which moves the output by far less than 1e-2
     assert worst["ffn sub-layer"] < 1e-2
 
 

@@ -65,11 +65,21 @@ def test_ngram_baselines_are_distributions_with_the_textbook_formulas():
 
 
 def test_heldout_perplexity_is_recorded_and_far_below_unigram(trained):
+    """The recomputed held-out perplexity is the recorded one within a bound derived from the rebuild
+    yardstick, and far below the unigram perplexity. A teacher-forced run over 1035 tokens whose expert
+    and indexer choices may flip is a free run: its digits move by machine. A token's NLL moves by at
+    most twice the largest change of its logits (the target's own, and the log-sum-exp's, a weighted mean
+    of changes), so |ln(ppl / recorded)| <= 2 x the mean over rows of max |d|; ds4.c's rebuilds on this
+    model (case "trained", the first 176 rows of the same text) reach a mean of 0.035, plus 25 %."""
+    from ds4ref.dev.oracle import REBUILD_SLACK, Rebuilds
     text = (ROOT / "data" / "trained" / "heldout.txt").read_text()
     ids = [0] + trained.tokenizer.encode(text)
     assert len(ids) - 1 == REC["heldout_ppl_tokens"]
     ppl = perplexity(sequence_nll(trained.cfg, trained.weights, ids))
-    assert ppl == pytest.approx(REC["heldout_ppl"], rel=1e-3)
+    rb = Rebuilds(ROOT / "data" / "oracle")
+    row_max = max(rb.data[f"trained.{p}.{v}.max_abs"].mean() for p in ("batch", "stream")
+                  for v in rb.variants)
+    assert abs(math.log(ppl / REC["heldout_ppl"])) <= 2 * REBUILD_SLACK * row_max
     uni = unigram_perplexity(ids)
     assert uni == pytest.approx(REC["heldout_unigram_ppl"], rel=1e-6)
     assert ppl < 0.5 * uni, (ppl, uni)

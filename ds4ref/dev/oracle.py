@@ -139,15 +139,36 @@ def _distance(m: dict, argmax, golden, path: str, expert_ids) -> dict:
     return out
 
 
+def judge(what: str, ours: dict, limits: dict, counts=COUNTS) -> dict:
+    """{measure: claim "<= limit"} for a run's measures (each larger is further); raises
+    YardstickError naming every measure past its limit."""
+    over = [f"{k} {ours[k]:.4g} > {limits[k]:.4g}" for k in ours if ours[k] > limits[k]]
+    if over:
+        raise YardstickError(f"{what}: further from ds4.c than its rebuilds: "
+                             f"{'; '.join(over)}")
+    return {k: f"<= {int(limits[k])}" if k in counts else f"<= {limits[k]:.4g}"
+            for k in ours}
+
+
+def rows_view(golden, path: str, index) -> dict:
+    """A golden file's layout holding only the rows `index` (a slice or an index array)
+    of one path, so that the yardstick can be applied to part of a run."""
+    rows = golden_rows(golden, path)[index]
+    if path == "batch":
+        return {"prompt_logits": rows[0], "step_logits": rows[1:]}
+    return {"stream_pos_logits": rows, "stream_step_logits": rows[:0]}
+
+
 class Rebuilds:
     """ds4.c rebuilt with other flags: each rebuild's distance to the golden rows, per
-    case ("A", "C", "bundled", "trained") and path, and the limits they set.
+    case ("A", "C", "bundled", "trained"; with name "rebuilds_steering" the steering
+    settings of chapter 11) and path, and the limits they set.
     Mirrors ds4.c: nothing (its Makefile build against six other builds of it)"""
 
-    def __init__(self, oracle_dir):
+    def __init__(self, oracle_dir, name: str = "rebuilds"):
         oracle_dir = Path(oracle_dir)
-        self.data = np.load(oracle_dir / "rebuilds.npz")
-        self.meta = json.loads((oracle_dir / "rebuilds.json").read_text())
+        self.data = np.load(oracle_dir / f"{name}.npz")
+        self.meta = json.loads((oracle_dir / f"{name}.json").read_text())
         self.variants = [v for v in self.meta["variants"] if v != "golden"]
 
     def distances(self, case: str, path: str, golden) -> dict:
@@ -156,8 +177,8 @@ class Rebuilds:
         for v in self.variants:
             key = f"{case}.{path}.{v}"
             m = {k: self.data[f"{key}.{k}"] for k in ("corr", "mean_abs", "max_abs")}
-            out[v] = _distance(m, self.data[f"{key}.argmax"], golden, path,
-                               self.data[f"{key}.expert_ids"])
+            ids = self.data.get(f"{key}.expert_ids")      # None: no expert log
+            out[v] = _distance(m, self.data[f"{key}.argmax"], golden, path, ids)
         return out
 
     def limits(self, case: str, path: str, golden, slack=REBUILD_SLACK) -> dict:
@@ -170,13 +191,76 @@ class Rebuilds:
     def check(self, case: str, path: str, golden, ours: dict) -> dict:
         """{measure: claim} for a run's distance_to_golden, each "<= limit"; raises
         YardstickError naming every measure past its limit."""
-        lim = self.limits(case, path, golden)
-        over = [f"{k} {ours[k]:.4g} > {lim[k]:.4g}" for k in ours if ours[k] > lim[k]]
-        if over:
-            raise YardstickError(f"case {case} {path}: further from ds4.c than its "
-                                 f"rebuilds: {'; '.join(over)}")
-        return {k: f"<= {int(lim[k])}" if k in COUNTS else f"<= {lim[k]:.4g}"
-                for k in ours}
+        return judge(f"case {case} {path}", ours, self.limits(case, path, golden))
+
+    def limits_rows(self, case: str, path: str, golden, index) -> dict:
+        """limits on the rows `index` of a path (a slice or an index array), set by
+        the rebuilds' same rows."""
+        view, d = rows_view(golden, path, index), []
+        for v in self.variants:
+            key = f"{case}.{path}.{v}"
+            m = {k: self.data[f"{key}.{k}"][index]
+                 for k in ("corr", "mean_abs", "max_abs")}
+            d.append(_distance(m, self.data[f"{key}.argmax"][index], view, path, None))
+        return {k: yardstick_limit(max(x[k] for x in d), k in COUNTS) for k in d[0]}
+
+    def check_rows(self, case: str, path: str, golden, rows, index) -> dict:
+        """check on some rows of a path: ours [len(index), V] against ds4.c's rows
+        `index`."""
+        d = distance_to_golden(rows, rows_view(golden, path, index), path)
+        lim = self.limits_rows(case, path, golden, index)
+        return judge(f"case {case} {path}, some rows", d, lim)
+
+
+EXPERT_MEASURES = ("share of chosen experts not ds4's", COUNTS[0],
+                   "expert sets differing, margin > 0.05")
+INDEXER_MEASURES = ("share of selected rows not ds4's", "indexer sets differing",
+                    "indexer sets differing, margin > 0.1")
+# the ds4 margins above which the second and third measure count differing sets
+COUNTED_ABOVE = {"experts": (DECISION_MARGIN, 0.05), "indexer": (-np.inf, 0.1)}
+
+
+def shared_ids(ours, want) -> np.ndarray:
+    """How many ids each chosen set of ours [..., k] shares with ds4.c's [..., k]."""
+    a, b = ours.reshape(-1, ours.shape[-1]), want.reshape(-1, want.shape[-1])
+    n = [len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b)]
+    return np.array(n).reshape(want.shape[:-1])
+
+
+def decision_distance(chosen, golden, path: str, kind: str) -> dict:
+    """The measures of chosen sets [R, layers, k] ("experts": ids of the top-k layers;
+    "indexer": rows of the ratio-4 layers, -1 for no selection) against ds4.c's,
+    where ds4.c chose, each larger is further: the share of chosen ids not ds4's and
+    two counts of differing sets, above a clear ds4 margin and above a wide one."""
+    key, names = {"experts": ("expert", EXPERT_MEASURES),
+                  "indexer": ("indexer", INDEXER_MEASURES)}[kind]
+    want = golden[f"trace_{path}_{key}_{'ids' if kind == 'experts' else 'selected'}"]
+    margin = golden[f"trace_{path}_{key}_margin"]
+    live = want[..., 0] >= 0
+    common = shared_ids(np.asarray(chosen)[: len(want)][live], want[live])
+    differ, m = common < want.shape[-1], margin[live]
+    lo, hi = COUNTED_ABOVE[kind]
+    return {names[0]: float(1 - common.mean() / want.shape[-1]),
+            names[1]: int((differ & (m > lo)).sum()),
+            names[2]: int((differ & (m > hi)).sum())}
+
+
+def check_decisions(rebuilds, case: str, path: str, golden, chosen, kind: str) -> dict:
+    """The yardstick on decisions: decision_distance within slack x the furthest
+    rebuild's own choices (for "indexer" the rebuilds with an indexer log,
+    `Rebuilds(oracle_dir, "rebuilds_indexer")`); claims, or YardstickError."""
+    field = {"experts": "expert_ids", "indexer": "indexer_selected"}[kind]
+    d = [decision_distance(rebuilds.data[f"{case}.{path}.{v}.{field}"], golden, path,
+                           kind) for v in rebuilds.variants]
+    counts = EXPERT_MEASURES[1:] + INDEXER_MEASURES[1:]
+    lim = {k: yardstick_limit(max(x[k] for x in d), k in counts) for k in d[0]}
+    ours = decision_distance(chosen, golden, path, kind)
+    return judge(f"case {case} {path}, {kind}", ours, lim, counts)
+
+
+def stacked(decisions: dict, kind: str) -> np.ndarray:
+    """shadow_decisions' {il: [N, k]} of one kind as [N, layers, k], layers in order."""
+    return np.stack([decisions[kind][il] for il in sorted(decisions[kind])], axis=1)
 
 
 from ds4ref.backend import NUMPY

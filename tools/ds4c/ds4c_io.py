@@ -56,9 +56,28 @@ def run(build: Path, model: Path, path: str, prompt: np.ndarray, steps, work: Pa
         steps_arg = str(work / "steps.bin")
     log, out = work / f"{path}.experts", work / "logits.bin"
     log.unlink(missing_ok=True)
+    indexer_log(log).unlink(missing_ok=True)
     subprocess.run([str(build / "ds4c_run"), str(model), path, str(work / "ids.bin"), steps_arg, str(out)],
                    check=True, capture_output=True, env=dict(os.environ, DS4C_EXPERT_LOG=str(log),
+                                                             DS4C_INDEXER_LOG=str(indexer_log(log)),
                                                              DS4C_THREADS=str(threads), **(env or {})))
     fed = np.fromfile(str(out) + ".tokens", "<i4") if steps_arg.startswith("greedy") else np.asarray(steps)
     n_rows = (len(prompt) if path == "stream" else 1) + len(fed)
     return np.fromfile(out, np.float32).reshape(n_rows, -1), fed, log
+
+
+def indexer_log(expert_log: Path) -> Path:
+    """Where a run's indexer log goes (written only by a build patched with --log-indexer)."""
+    return expert_log.with_suffix(".indexer")
+
+
+def read_indexer_log(log: Path, n_rows: int, layers: tuple, top_k: int = 16) -> np.ndarray:
+    """shape_patch.py --log-indexer's records -> selected rows [P+S, len(layers), top_k] in the golden traces'
+    layout (increasing row ids; -1 where the layer kept every row). Each record names its layer and position."""
+    raw = np.fromfile(log, "<u4") if log.exists() else np.zeros(0, "<u4")
+    out, i = np.full((n_rows, len(layers), top_k), -1, np.int32), 0
+    while i < len(raw):
+        il, pos, _, k = (int(v) for v in raw[i:i + 4])
+        out[pos, layers.index(il), :k] = raw[i + 4:i + 4 + k]
+        i += 4 + k
+    return out

@@ -6,7 +6,7 @@ This script rewrites the enum values from the GGUF's metadata (read with ds4ref.
 those literals with the enum names, the same edit data/oracle/README.md describes. It edits nothing else
 and checks that every pattern it relies on was found, so a newer ds4.c fails loudly instead of silently.
 
-    python tools/ds4c/shape_patch.py [--log-experts] [--dump-steering] PATH/TO/ds4.c MODEL.gguf OUT.c
+    python tools/ds4c/shape_patch.py [--log-experts] [--log-indexer] [--dump-steering] PATH/TO/ds4.c MODEL.gguf OUT.c
 """
 from __future__ import annotations
 
@@ -49,6 +49,18 @@ EXPERT_LOG = (EXPERT_SELECT + " { static FILE *ds4c_log; const char *ds4c_path =
               " fwrite(selection, sizeof(float), DS4_N_EXPERT, ds4c_log); fflush(ds4c_log); } }")
 
 
+# Optional instrumentation (--log-indexer): every indexer selection (n_comp > top_k, both the allocating and
+# the decode-scratch function) appends (il u32, pos u32, n_comp u32, top_k u32, the selected rows as top_k u32
+# in increasing order) to the file named by $DS4C_INDEXER_LOG (appending: two functions write it; the runner
+# deletes it before each run). It reads the selection after it is made.
+INDEXER_SELECT = "        allowed[best] = true;\n    }\n"
+INDEXER_LOG = (INDEXER_SELECT + "    { static FILE *ds4c_ilog; const char *ds4c_ipath = getenv(\"DS4C_INDEXER_LOG\");"
+               " if (ds4c_ipath && !ds4c_ilog) ds4c_ilog = fopen(ds4c_ipath, \"ab\");"
+               " if (ds4c_ilog) { uint32_t ds4c_h[4] = {il, pos, n_comp, top_k}; fwrite(ds4c_h, 4, 4, ds4c_ilog);"
+               " for (uint32_t c = 0; c < n_comp; c++) if (allowed[c]) fwrite(&c, 4, 1, ds4c_ilog);"
+               " fflush(ds4c_ilog); } }\n")
+
+
 # Optional instrumentation (--dump-steering): every directional-steering call appends (il u32, rows u32,
 # scale f32, the rows before [rows, n_embd] f32, the rows after) to the file named by $DS4C_STEER_DUMP.
 # The original function is renamed and kept noinline, so its arithmetic is compiled as before (the
@@ -76,7 +88,8 @@ STEER_DUMP = (
     "    if (!cpu_directional_steering_enabled(dirs, scale) || !x || rows == 0) return;\n")
 
 
-def patch(src: str, cfg: ModelConfig, log_experts: bool = False, dump_steering: bool = False) -> str:
+def patch(src: str, cfg: ModelConfig, log_experts: bool = False, dump_steering: bool = False,
+          log_indexer: bool = False) -> str:
     for name, field in ENUM.items():
         src, n = re.subn(rf"(\n\s+{name}\s+= )\d+,", rf"\g<1>{getattr(cfg, field)},", src, count=1)
         if n != 1:
@@ -89,6 +102,10 @@ def patch(src: str, cfg: ModelConfig, log_experts: bool = False, dump_steering: 
         if src.count(EXPERT_SELECT) != 1:
             raise SystemExit("shape_patch: the biased top-k expert selection call was not found")
         src = src.replace(EXPERT_SELECT, EXPERT_LOG)
+    if log_indexer:
+        if src.count(INDEXER_SELECT) != 2:
+            raise SystemExit("shape_patch: the two indexer top-k selection loops were not found")
+        src = src.replace(INDEXER_SELECT, INDEXER_LOG)
     if dump_steering:
         if src.count(STEER_HEAD) != 1:
             raise SystemExit("shape_patch: the definition of cpu_directional_steering_project_rows was not found")
@@ -98,13 +115,14 @@ def patch(src: str, cfg: ModelConfig, log_experts: bool = False, dump_steering: 
 
 def main(argv: list[str]) -> None:
     log_experts, dump_steering = "--log-experts" in argv, "--dump-steering" in argv
-    argv = [a for a in argv if a not in ("--log-experts", "--dump-steering")]
+    log_indexer = "--log-indexer" in argv
+    argv = [a for a in argv if a not in ("--log-experts", "--dump-steering", "--log-indexer")]
     if len(argv) != 3:
         raise SystemExit(__doc__)
     ds4_c, model, out = map(Path, argv)
     with GGUFFile(model) as g:
         cfg = ModelConfig.from_gguf(g)
-    out.write_text(patch(ds4_c.read_text(), cfg, log_experts, dump_steering))
+    out.write_text(patch(ds4_c.read_text(), cfg, log_experts, dump_steering, log_indexer))
     print(f"shape_patch: wrote {out} for n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_vocab={cfg.n_vocab}")
 
 
