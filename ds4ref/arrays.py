@@ -45,6 +45,13 @@ def copy(a):
     return a[...] if getattr(xp_of(a), "__name__", "") == "mlx.core" else a.copy()
 
 
+def host_array(value) -> np.ndarray:
+    """A copy of value on the host: a device array (CuPy's) through its .get(), anything
+    else (numpy, MLX, numbers) through np.array."""
+    get = getattr(value, "get", None)
+    return get() if callable(get) and hasattr(value, "shape") else np.array(value)
+
+
 def sum_squares(x):
     """sum_i x_i^2 over the last axis of x [..., n], in wide_float -> [...]: einsum
     (numpy's summation order, the reference's) where the library has it with a dtype,

@@ -5,13 +5,12 @@ grouped output."""
 import numpy as np
 
 from ds4ref.arrays import f32
-from ds4ref.backend import NUMPY
 from ds4ref.norms import head_rms_norm, rms_norm_weight
 # the sink attention op itself (section 5.4) lives below the backend, in ds4ref.ops
 from ds4ref.ops import NEG_INF, attention_rows, attention_scores  # noqa: F401
 
 
-def layer_q_projection(cfg, layer, a, be=NUMPY):
+def layer_q_projection(cfg, layer, a, be):
     """Low-rank Q from the attn-normed a [..., n_embd]: q [..., n_head, head_dim]
     (per-head normed, before RoPE) and qr_norm [..., n_lora_q] (for the indexer). Each
     Q8_0 matvec quantizes its input to int8 first.
@@ -24,7 +23,7 @@ def layer_q_projection(cfg, layer, a, be=NUMPY):
     return head_rms_norm(q, cfg.rms_eps), qr_norm
 
 
-def layer_kv_projection(cfg, layer, a, be=NUMPY) -> np.ndarray:
+def layer_kv_projection(cfg, layer, a, be) -> np.ndarray:
     """The token's single KV row from a [..., n_embd]: rms_norm_weight(attn_kv @
     Q8_0(a), attn_kv_a_norm), [..., head_dim], before RoPE and the FP8 rounding.
 
@@ -34,7 +33,7 @@ def layer_kv_projection(cfg, layer, a, be=NUMPY) -> np.ndarray:
     )
 
 
-def grouped_out_low(heads, w_a, cfg, be=NUMPY) -> np.ndarray:
+def grouped_out_low(heads, w_a, cfg, be) -> np.ndarray:
     """The grouped half: group g's heads (flattened, Q8_0) times rows g*n_lora_o.. of
     attn_output_a.
 
@@ -59,7 +58,7 @@ def grouped_out_low(heads, w_a, cfg, be=NUMPY) -> np.ndarray:
     return be.project_grouped(w_a, x)                      # [..., G, rank]
 
 
-def layer_grouped_out(heads, w_a, w_b, cfg, be=NUMPY) -> np.ndarray:
+def layer_grouped_out(heads, w_a, w_b, cfg, be) -> np.ndarray:
     """Grouped low-rank output projection: heads [..., n_head, hd] (after inverse RoPE)
     -> attn_out [..., n_embd].
 

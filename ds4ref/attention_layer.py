@@ -13,17 +13,14 @@ from ds4ref.attention import (
     layer_kv_projection,
     layer_q_projection,
 )
-from ds4ref.backend import NUMPY
 from ds4ref.compressor import CompressorLane, compressor_decode_one
 from ds4ref.hc import HyperConnection
-from ds4ref.indexer import IndexerError, indexer_allowed
+from ds4ref.indexer import indexer_allowed
 from ds4ref.norms import rms_norm_weight
-from ds4ref.trace import NO_TRACE, Hooks, token_trace
+from ds4ref.trace import NO_HOOKS
 
 
-def attention_mixed(
-    q, raw_rows, comp_rows, comp_allowed, sinks, be=NUMPY
-) -> np.ndarray:
+def attention_mixed(q, raw_rows, comp_rows, comp_allowed, sinks, be) -> np.ndarray:
     """Sink attention of q [n_head, hd] over the raw rows, then the compressed rows:
     heads [n_head, hd].
 
@@ -34,114 +31,91 @@ def attention_mixed(
     return be.attention(q, raw_rows, comp_rows, sinks, comp_allowed)
 
 
-def _forced_mask(force, n_comp: int, be=NUMPY):
-    """bool [n_comp] from recorded indexer ids, or None when the record says 'no
-    selection' (all -1 / None)."""
-    if force is None:
-        return None
-    ids = np.asarray(force).reshape(-1)
-    if ids.size == 0 or (ids < 0).all():
-        return None
-    if (ids < 0).any() or ids.max() >= n_comp:
-        raise IndexerError(
-            f"force_indexer ids {ids.tolist()} do not fit {n_comp} compressed rows"
-        )
-    mask = np.zeros(n_comp, bool)
-    mask[ids] = True
-    return be.upload(mask)
-
-
 class Attention:
     """The attention sub-layer of one layer on backend `be`, for T tokens at positions
     pos0.. (decode: T = 1): HC pre, the Q and KV projections, then token by token the
     cache (RoPE, E4M3, the compressors, the indexer) and the sink attention, the
-    grouped output, HC post. `hooks` hold the trace, the decisions to replay and the
-    steering.
+    grouped output, HC post.
     Mirrors ds4.c: layer_attention_raw_swa_one (l. 7069),
     layer_attention_raw_swa_batch (l. 7181)"""
 
-    def __init__(self, cfg, lw, be=NUMPY, hooks=None):
+    def __init__(self, cfg, lw, be):
         self.cfg, self.be, self.il, self.ratio = cfg, be, lw.il, lw.compress_ratio
         self.w = be.place_layer(lw)             # the layer's weights as be keeps them
         self.hc = HyperConnection(cfg, self.w.hc_attn_fn, self.w.hc_attn_scale,
                                   self.w.hc_attn_base, be)
-        self.hooks = Hooks() if hooks is None else hooks
 
-    def __call__(self, X, cache, pos0: int):
+    def __call__(self, X, cache, pos0: int, hooks=NO_HOOKS):
         """X [T, n_hc, n_embd] -> [T, n_hc, n_embd]; cache (this layer's LayerCache)
         takes the T tokens' rows, in order."""
         cfg, be, w, T = self.cfg, self.be, self.w, len(X)
-        if T == 0:
-            return X
-        trace = self.hooks.layer(self.il, pos0, T)
-        force = self.hooks.forced("indexer", self.il, pos0, T)
         x, post, comb = self.hc.pre(X)          # [T, n_embd], [T, n_hc], [T, .., ..]
         a = rms_norm_weight(x, w.attn_norm, cfg.rms_eps)                # [T, n_embd]
         q, qr_norm = layer_q_projection(cfg, w, a, be)  # [T, n_head, hd], [T, n_lora_q]
         kv = layer_kv_projection(cfg, w, a, be)                         # [T, hd]
-        for n, v in (("attn_x", x), ("attn_post", post), ("attn_comb", comb),
-                     ("attn_norm", a), ("qr_norm", qr_norm), ("q_normed", q),
-                     ("kv_normed", kv)):
-            trace(n, v)
-        heads = xp_of(q).stack([
-            self.attend(cache, q[t], kv[t], a[t], qr_norm[t], pos0 + t,
-                        token_trace(trace, pos0 + t),
-                        None if force is None else force[t])
-            for t in range(T)])                                   # [T, n_head, hd]
-        out = layer_grouped_out(heads, w.attn_output_a, w.attn_output_b, cfg, be)
-        steer = self.hooks.steer(self.il)[0]
-        if steer is not None:                  # ds4.c l. 7165: directional steering
-            out = steer(out)
+        heads = [self.attend(cache, q[t], kv[t], a[t], qr_norm[t], pos0 + t, hooks)
+                 for t in range(T)]                               # T x [n_head, hd]
+        out = layer_grouped_out(xp_of(q).stack(heads), w.attn_output_a,
+                                w.attn_output_b, cfg, be)               # [T, n_embd]
+        out = hooks.steer("attn", self.il, out)     # ds4.c l. 7165
         Y = HyperConnection.post(out, X, post, comb)
-        trace("attn_out", out)
-        trace("after_attn_hc", Y)
+        hooks.record(self.il, pos0, dict(
+            hc_in=X, attn_x=x, attn_post=post, attn_comb=comb, attn_norm=a,
+            qr_norm=qr_norm, q_normed=q, kv_normed=kv, attn_out=out, after_attn_hc=Y),
+            n=T)
         return Y
 
-    def attend(self, cache, q, kv, a, qr_norm, pos: int, trace=NO_TRACE, force=None):
+    def attend(self, cache, q, kv, a, qr_norm, pos: int, hooks=NO_HOOKS):
         """One token at pos: rope q [n_head, hd] and kv [hd], round and push its row,
-        feed the compressors, pick the compressed rows (indexer, or `force`), attend,
-        undo the rope -> heads [n_head, hd]."""
-        cfg, be, w, ratio = self.cfg, self.be, self.w, self.ratio
-        q, kv = be.rope(q, pos, cfg, ratio), be.rope(kv, pos, cfg, ratio)
-        kv_fp8 = be.fp8_kv(kv, cfg.n_rot)
+        feed the compressors, pick the compressed rows (the indexer), attend, undo the
+        rope -> heads [n_head, hd]."""
+        cfg, be, w, il, ratio = self.cfg, self.be, self.w, self.il, self.ratio
+        q_rope, kv_rope = be.rope(q, pos, cfg, ratio), be.rope(kv, pos, cfg, ratio)
+        kv_fp8 = be.fp8_kv(kv_rope, cfg.n_rot)
         cache.push_raw(kv_fp8)
-        for n, v in (("q_rope", q), ("kv_rope", kv), ("kv_fp8", kv_fp8),
-                     ("kv_stored", cache.raw_rows[-1])):
-            trace(n, v)
-        allowed = None
+        comp = icomp = idx = allowed = None
         if ratio:
-            lane = CompressorLane.of(w, cache, "attn")
-            row = compressor_decode_one(cfg, self.il, lane, a, pos, be, trace)
-            if row is not None:
-                cache.push_comp(row)
-                trace("comp_stored", cache.comp_rows[-1])
+            comp = compressor_decode_one(cfg, il, CompressorLane.of(w, cache, "attn"),
+                                         a, pos, be)
+            if comp.row is not None:
+                cache.push_comp(comp.row)
         if ratio == 4:
-            lane = CompressorLane.of(w, cache, "index")
-            row = compressor_decode_one(cfg, self.il, lane, a, pos, be, trace)
-            if row is not None:
-                cache.push_index_comp(row)
-                trace("icomp_stored", cache.index_rows[-1])
-            if force is None:
-                allowed = indexer_allowed(cfg, w, self.il, a, qr_norm, cache.index_rows,
-                                          pos, be, trace)
-            else:
-                allowed = _forced_mask(force, cache.n_index_comp, be)
-            if allowed is not None:
-                trace("comp_allowed", allowed.astype(xp_of(allowed).int8))
-        if trace is not NO_TRACE:               # the cache and scores, for the record
-            trace("cache_raw", be.download(cache.raw_rows))
-            if ratio:
-                trace("cache_comp", be.download(cache.comp_rows))
-            if ratio == 4:
-                trace("cache_icomp", be.download(cache.index_rows))
-            rows = np.concatenate([be.download(cache.raw_rows),
-                                   be.download(cache.comp_rows)])
-            seen = None if allowed is None else be.download(allowed)
-            trace("attn_scores", attention_scores(be.download(q), rows, seen,
-                                                  n_raw=cache.n_raw))
-        heads = attention_mixed(q, cache.raw_rows, cache.comp_rows, allowed,
-                                w.attn_sinks, be)
-        trace("heads", heads)
-        heads = be.rope(heads, pos, cfg, ratio, inverse=True)
-        trace("heads_unrope", heads)
-        return heads
+            icomp = compressor_decode_one(cfg, il, CompressorLane.of(w, cache, "index"),
+                                          a, pos, be)
+            if icomp.row is not None:
+                cache.push_index_comp(icomp.row)
+            allowed, idx = indexer_allowed(cfg, w, il, a, qr_norm, cache.index_rows,
+                                           pos, be)
+            allowed = hooks.decide("indexer", il, pos, allowed, be)
+        heads = attention_mixed(q_rope, cache.raw_rows, cache.comp_rows, allowed,
+                                w.attn_sinks, be)                   # [n_head, hd]
+        heads_unrope = be.rope(heads, pos, cfg, ratio, inverse=True)
+        hooks.record(il, pos, lambda: dict(
+            q_rope=q_rope, kv_rope=kv_rope, kv_fp8=kv_fp8, comp=comp, icomp=icomp,
+            idx=idx, heads=heads, heads_unrope=heads_unrope,
+            **cache_dumps(cache, q_rope, allowed, comp, icomp, be)))
+        return heads_unrope
+
+
+def cache_dumps(cache, q_rope, allowed, comp, icomp, be) -> dict:
+    """ds4.c's dumps of one token's cache step, for a trace: the stored rows (kv_stored,
+    comp_stored, icomp_stored), the visible rows (cache_raw, cache_comp, cache_icomp),
+    the mask (comp_allowed, int8) and the scores (attn_scores [n_head, n_rows])."""
+    raw, comp_rows = be.download(cache.raw_rows), be.download(cache.comp_rows)
+    out = {"kv_stored": cache.raw_rows[-1], "cache_raw": raw}
+    if comp is not None:
+        out["cache_comp"] = comp_rows
+        if comp.row is not None:
+            out["comp_stored"] = cache.comp_rows[-1]
+    if icomp is not None:
+        out["cache_icomp"] = be.download(cache.index_rows)
+        if icomp.row is not None:
+            out["icomp_stored"] = cache.index_rows[-1]
+    seen = None
+    if allowed is not None:
+        out["comp_allowed"] = allowed.astype(xp_of(allowed).int8)
+        seen = be.download(allowed)
+    out["attn_scores"] = attention_scores(be.download(q_rope),
+                                          np.concatenate([raw, comp_rows]), seen,
+                                          n_raw=cache.n_raw)
+    return out

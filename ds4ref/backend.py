@@ -28,10 +28,9 @@ from ds4ref.gguf import DS4RefError
 from ds4ref.ggml_types import GGML_BLOCK, GGMLType
 from ds4ref.kvquant import fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.ops import (MoEError, attention_rows, embed_rows, experts_down,
-                        experts_down_batch, experts_gate_up, experts_gate_up_batch,
-                        q8k_rows, sum_slots, swiglu, topk_desc)
+                        experts_gate_up, sum_slots, swiglu, topk_desc)
 from ds4ref.quant import (F16, F32, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPE_NAMES, Q8Act,
-                          f16_round, quantize_q8_0, quantize_q8_K)
+                          quantize_q8_0, quantize_q8_K)
 from ds4ref.rope import rope_tail
 
 
@@ -84,8 +83,14 @@ KERNELS = (
 )
 # exact helpers (integer codes, table roundings, a row read): numpy's serve every
 # host backend and strict mode never refuses them; a device backend runs its own
-GLUE = ("embed", "quantize_q8_0", "quantize_q8_K", "fp8_kv", "indexer_qat",
-        "f16_round", "rope", "topk")
+GLUE = ("embed", "quantize_q8_0", "quantize_q8_K", "fp8_kv", "indexer_qat", "rope",
+        "topk")
+# where the model's arrays and weights live: its array library, a weight as the kernels
+# read it, the crossings between host and device, and a lazy library's compute point
+PLACEMENT = ("xp", "place", "place_layer", "upload", "download", "evaluate")
+# the seam: all that the model may call on a backend (chapter 9 maps it to ds4.c's
+# ds4_gpu.h; a test traces a forward pass and checks that it calls nothing else)
+SEAM = {"kernels": KERNELS, "glue": GLUE, "placement": PLACEMENT}
 # the type kernels: one matvec (and pair) per row of QUANT_TYPES
 TYPE_KERNELS = tuple(dict.fromkeys(
     k for q in QUANT_TYPES.values() for k in (q.matvec, q.pair) if k))
@@ -157,7 +162,6 @@ class NumpyBackend:
     # the glue: chapter 2's exact quantizers and cache roundings, chapter 5's RoPE
     quantize_q8_0 = staticmethod(quantize_q8_0)
     quantize_q8_K = staticmethod(quantize_q8_K)
-    f16_round = staticmethod(f16_round)
     fp8_kv = staticmethod(fp8_kv_quantize_row)
     indexer_qat = staticmethod(indexer_qat_row)
     embed = staticmethod(embed_rows)
@@ -230,14 +234,8 @@ class NumpyBackend:
         w = np.asarray(weights, np.float32)
         if w.shape != np.shape(sel):
             raise MoEError(f"routed experts: weights of shape {list(w.shape)} for "
-                              f"expert ids of shape {list(np.shape(sel))}")
-        if len(sel) == 1:            # one token: slot by slot, as ds4.c's decode reads
-            gate, up = experts_gate_up(w_gate3, w_up3, sel[0], q8k_rows(xq, 0),
-                                       self.expert_pair(w_gate3))
-            gate, up = gate[None], up[None]
-        else:
-            gate, up = experts_gate_up_batch(w_gate3, w_up3, sel, xq,
-                                             self.expert_pair(w_gate3))
+                           f"expert ids of shape {list(np.shape(sel))}")
+        gate, up = experts_gate_up(w_gate3, w_up3, sel, xq, self.expert_pair(w_gate3))
         return (swiglu(gate, up, clamp) * w[..., None]).astype(np.float32)
 
     def experts_down(self, w_down3, sel, midq):
@@ -245,12 +243,7 @@ class NumpyBackend:
         summed over the slots in order ((d0 + d1) + d2) + ...
         Mirrors ds4.c: matvec_q2_k_experts_accum_prequant (l. 4034),
         layer_routed_moe_batch (l. 5509)"""
-        if len(sel) == 1:
-            down = experts_down(w_down3, sel[0], q8k_rows(midq, 0),
-                                self.expert_matvec(w_down3))[None]
-        else:
-            down = experts_down_batch(w_down3, sel, midq, self.expert_matvec(w_down3))
-        return sum_slots(down)
+        return sum_slots(experts_down(w_down3, sel, midq, self.expert_matvec(w_down3)))
 
     # -- compositions of the kernels --------------------------------------------------
     def matvec_q8_0(self, w, x):
@@ -262,23 +255,6 @@ class NumpyBackend:
         """Output rows lo..hi of the Q8_0 weight w, as this backend's kernels take
         it."""
         return w.rows(lo, hi) if isinstance(w, Placed) else weight_rows(w, Q8_0)[lo:hi]
-
-    def routed_experts(self, w_gate3, w_up3, w_down3, sel, weights, xq, clamp):
-        """The routed experts of T tokens -> moe [T, n_embd]: experts_mid, its Q8_K
-        rows, experts_down. Mirrors ds4.c: layer_routed_moe_one (l. 5361)"""
-        mid = self.experts_mid(w_gate3, w_up3, sel, weights, xq, clamp)
-        return self.experts_down(w_down3, sel, self.quantize_q8_K(mid))
-
-    def routed_experts_record(self, w_gate3, w_up3, w_down3, sel, weights, xq, clamp):
-        """For a trace: (gate, up, mid, midq, down [T, k, ...]) behind routed_experts,
-        by this backend's kernels (mid: the one experts_mid gives).
-        Mirrors ds4.c: the trace branch of layer_routed_moe_one (l. 5361)"""
-        gate, up = experts_gate_up_batch(w_gate3, w_up3, sel, xq,
-                                         self.expert_pair(w_gate3))
-        mid = self.experts_mid(w_gate3, w_up3, sel, weights, xq, clamp)
-        midq = self.quantize_q8_K(mid)
-        down = experts_down_batch(w_down3, sel, midq, self.expert_matvec(w_down3))
-        return gate, up, mid, midq, down
 
     def expert_matvec(self, w3):
         """This backend's row matvec against Q8_K for the type of the expert tensor

@@ -8,16 +8,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from typing import NamedTuple
+
 from ds4ref.arrays import copy, f32, wide_float, xp_of
-from ds4ref.backend import NUMPY
 from ds4ref.gguf import DS4RefError
 from ds4ref.ops import NEG_INF
-from ds4ref.trace import NO_TRACE
 from ds4ref.weights import f32_of
 
 
 class CompressorError(DS4RefError, ValueError):
-    """A compressor state or input has the wrong shape, or the ratio is not 4 or 128."""
+    """A compressor lane of an unknown kind, or a position at which no row is emitted
+    (compressor_window)."""
 
 
 def compressor_window(pos: int, ratio: int) -> range:
@@ -42,7 +43,7 @@ def compressor_state_row(pos: int, ratio: int) -> int:
     return ratio + pos % ratio if ratio == 4 else pos % ratio
 
 
-def compressor_project(x, wkv, wgate, ape, pos: int, ratio: int, be=NUMPY):
+def compressor_project(x, wkv, wgate, ape, pos: int, ratio: int, be):
     """F16 projections of the attention-normed x [n_embd]: kv [width], score [width] (+
     ape row pos % ratio).
 
@@ -60,19 +61,6 @@ def compressor_update_state(
     ((pos+1) % ratio == 0).
 
     Mirrors ds4.c: compressor_decode_one (l. 6514)"""
-    coff = 2 if ratio == 4 else 1
-    if (
-        ratio not in (4, 128)
-        or state_kv.shape != state_score.shape
-        or state_kv.shape[0] != coff * ratio
-    ):
-        raise CompressorError(
-            f"state of shape {state_kv.shape} does not fit ratio {ratio}"
-        )
-    if kv.shape != state_kv.shape[1:] or score.shape != state_kv.shape[1:]:
-        raise CompressorError(
-            f"rows of shape {kv.shape} do not fit a state of width {state_kv.shape[1]}"
-        )
     row = compressor_state_row(pos, ratio)
     state_kv[row] = kv
     state_score[row] = score
@@ -154,32 +142,38 @@ class CompressorLane:
                    getattr(cache, st + "_kv"), getattr(cache, st + "_score"))
 
 
-def compressor_decode_one(
-    cfg, il: int, lane: CompressorLane, x, pos: int, be=NUMPY, trace=NO_TRACE
-):
-    """Feed token pos (attention-normed x [n_embd]) to one compressor lane; return its
-    new row or None.
+class Compressed(NamedTuple):
+    """One token through a compressor lane: its projections kv, score [width]; when its
+    window closes, the closed window (state_kv, state_score), the pooled, normed and
+    roped row [head_dim] and the rounded row to store (else None).
+    Mirrors ds4.c: the comp_* dumps of compressor_decode_one (l. 6514)"""
+    kv: object
+    score: object
+    state_kv: object = None
+    state_score: object = None
+    pooled: object = None
+    normed: object = None
+    rope: object = None
+    row: object = None
 
-    An "attn" lane gives an E4M3-rounded [head_dim] row, an "index" lane a Hadamard+FP4
-    [indexer_head_dim] row (neither F16-rounded yet: the cache does that). The lane's
-    state arrays are updated in place.
+
+def compressor_decode_one(cfg, il: int, lane: CompressorLane, x, pos: int,
+                          be) -> Compressed:
+    """Feed token pos (attention-normed x [n_embd]) to one compressor lane; the lane's
+    state is updated in place. An "attn" lane's row is E4M3-rounded [head_dim], an
+    "index" lane's Hadamard+FP4 [indexer_head_dim] (the cache rounds either to F16).
     Mirrors ds4.c: compressor_decode_one (l. 6514),
     compressor_decode_one_decode_scratch (l. 6611)"""
     ratio = cfg.compress_ratio(il)
-    name = "comp" if lane.kind == "attn" else "icomp"
-    state_kv, state_score = lane.state_kv, lane.state_score
     kv, score = compressor_project(x, lane.wkv, lane.wgate, lane.ape, pos, ratio, be)
-    trace(f"{name}_kv", kv)
-    trace(f"{name}_score", score)
-    if not compressor_update_state(state_kv, state_score, kv, score, pos, ratio):
-        return None
-    trace(f"{name}_state_kv", copy(state_kv))
-    trace(f"{name}_state_score", copy(state_score))
-    pooled = compressor_pool(state_kv, state_score, ratio)
+    if not compressor_update_state(lane.state_kv, lane.state_score, kv, score, pos,
+                                   ratio):
+        return Compressed(kv, score)                    # the window is still open
+    # the closed window (a copy: the state moves on below)
+    state_kv, state_score = copy(lane.state_kv), copy(lane.state_score)
+    pooled = compressor_pool(state_kv, state_score, ratio)                   # [hd]
     normed = compressor_norm(pooled, lane.norm, cfg.rms_eps)
-    roped = be.rope(normed, pos + 1 - ratio, cfg, ratio)
-    row = be.fp8_kv(roped, cfg.n_rot) if lane.kind == "attn" else be.indexer_qat(roped)
-    for n, v in (("pooled", pooled), ("normed", normed), ("rope", roped), ("row", row)):
-        trace(f"{name}_{n}", v)
-    compressor_advance_state(state_kv, state_score, ratio)
-    return row
+    rope = be.rope(normed, pos + 1 - ratio, cfg, ratio)
+    row = be.fp8_kv(rope, cfg.n_rot) if lane.kind == "attn" else be.indexer_qat(rope)
+    compressor_advance_state(lane.state_kv, lane.state_score, ratio)
+    return Compressed(kv, score, state_kv, state_score, pooled, normed, rope, row)

@@ -5,7 +5,6 @@ output HC head."""
 import numpy as np
 
 from ds4ref.arrays import f32, xp_of
-from ds4ref.backend import NUMPY
 from ds4ref.norms import rms_norm_no_weight
 from ds4ref.ops import sigmoid_stable
 from ds4ref.weights import f32_of
@@ -31,7 +30,7 @@ def hc_from_plain_embedding(x, n_hc: int = 4) -> np.ndarray:
     return xp_of(x).repeat(x[..., None, :], n_hc, axis=-2)
 
 
-def hc_mix(X, fn, cfg, be=NUMPY) -> np.ndarray:
+def hc_mix(X, fn, cfg, be) -> np.ndarray:
     """The HC control vector: fn @ rms_norm_no_weight(flatten(X)); X [..., n_hc, n_embd]
     -> [..., rows of fn].
 
@@ -94,7 +93,7 @@ def hc_weighted_sum(X, w) -> np.ndarray:
     return acc
 
 
-def hc_pre(X, fn, scale, base, cfg, be=NUMPY):
+def hc_pre(X, fn, scale, base, cfg, be):
     """HC pre: the sub-layer input x [..., n_embd], plus post [..., n_hc] and comb
     [..., n_hc, n_hc] for hc_post.
 
@@ -134,7 +133,7 @@ class HyperConnection:
     once; `pre` before the sub-layer, `post` after it, for any leading token shape.
     Mirrors ds4.c: hc_pre_from_state_one_scratch (l. 4356), hc_post_one (l. 4438)"""
 
-    def __init__(self, cfg, fn, scale, base, be=NUMPY):
+    def __init__(self, cfg, fn, scale, base, be):
         self.cfg, self.be = cfg, be
         self.fn, self.scale, self.base = be.place(fn), be.place(scale), be.place(base)
 
@@ -167,7 +166,7 @@ def output_hc_weights(mix, scale, base, eps: float = 1e-6) -> np.ndarray:
     return sigmoid_stable(f32(mix) * f32_of(scale)[0] + f32_of(base)) + eps
 
 
-def output_hc_head(X, fn, scale, base, cfg, be=NUMPY) -> np.ndarray:
+def output_hc_head(X, fn, scale, base, cfg, be) -> np.ndarray:
     """Collapse the final HC state X [..., n_hc, n_embd] into one embedding
     [..., n_embd] for the LM head.
 

@@ -4,20 +4,19 @@
 layer attends to."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ds4ref.arrays import f32, xp_of
-from ds4ref.backend import NUMPY
 from ds4ref.gguf import DS4RefError
-from ds4ref.trace import NO_TRACE
 
 
 class IndexerError(DS4RefError, ValueError):
-    """Bad indexer input: rows of the wrong width, or a forced selection outside the
-    cache."""
+    """Indexer scores that cannot be ranked (NaN)."""
 
 
-def indexer_query(cfg, lw, il: int, qr_norm, pos: int, be=NUMPY):
+def indexer_query(cfg, lw, il: int, qr_norm, pos: int, be):
     """Indexer queries from the normed q low-rank vector: (raw, roped, QAT'd), each
     [n_indexer_head, 128].
 
@@ -29,7 +28,7 @@ def indexer_query(cfg, lw, il: int, qr_norm, pos: int, be=NUMPY):
     return q, q_rope, be.indexer_qat(q_rope)
 
 
-def indexer_weights(cfg, lw, attn_norm, be=NUMPY):
+def indexer_weights(cfg, lw, attn_norm, be):
     """Per-head indexer weights from the attention-normed x: (raw, scaled by
     1/sqrt(128*n_head)), [n_indexer_head].
 
@@ -46,10 +45,6 @@ def indexer_scores(q, w, rows) -> np.ndarray:
 
     Mirrors ds4.c: indexer_allowed_decode_one (l. 6943)"""
     rows = f32(rows)
-    if rows.ndim != 2 or rows.shape[1] != q.shape[1]:
-        raise IndexerError(
-            f"indexer rows must be [n_comp, {q.shape[1]}], got {rows.shape}"
-        )
     return xp_of(rows).maximum(rows @ q.T, 0.0) @ w
 
 
@@ -65,38 +60,34 @@ def indexer_topk(scores, top_k: int) -> np.ndarray:
     return np.sort(np.argsort(-scores, kind="stable")[:top_k]).astype(np.int32)
 
 
-def indexer_allowed(
-    cfg, lw, il: int, attn_norm, qr_norm, index_rows, pos: int, be=NUMPY,
-    trace=NO_TRACE,
-):
-    """Mask bool [n_comp] of the compressed rows this token may attend to, or None when
-    there are none.
+class Indexed(NamedTuple):
+    """The indexer's intermediates at one token: queries (raw, roped, QAT'd), head
+    weights (raw, scaled), scores [n_comp] and the selected row ids [top_k].
+    Mirrors ds4.c: the idx_* dumps of indexer_allowed_decode_one (l. 6943)"""
+    q_raw: object
+    q_rope: object
+    q: object
+    w_raw: object
+    w: object
+    scores: object
+    selected: object
 
-    All rows while n_comp <= top_k; otherwise the indexer's top_k. Mirrors ds4.c:
-    indexer_allowed_decode_one (l. 6943),
+
+def indexer_allowed(cfg, lw, il: int, attn_norm, qr_norm, index_rows, pos: int, be):
+    """(mask bool [n_comp] of the compressed rows this token may attend to, or None when
+    there are none; the Indexed, or None when the indexer had no choice to make): all
+    rows while n_comp <= top_k, else the indexer's top_k.
+    Mirrors ds4.c: indexer_allowed_decode_one (l. 6943),
     indexer_allowed_decode_one_decode_scratch (l. 7006)"""
-    n_comp = 0 if index_rows is None else len(index_rows)
+    xp, n_comp = xp_of(index_rows), len(index_rows)
     if n_comp == 0:
-        return None
-    xp = xp_of(index_rows)
+        return None, None
     if n_comp <= cfg.indexer_top_k:
-        return xp.ones((n_comp,), dtype=xp.bool_)
+        return xp.ones((n_comp,), dtype=xp.bool_), None
     q_raw, q_rope, q = indexer_query(cfg, lw, il, qr_norm, pos, be)
     w_raw, w = indexer_weights(cfg, lw, attn_norm, be)
-    scores = indexer_scores(q, w, index_rows)
-    if xp is np and np.isnan(scores).any():
-        raise IndexerError("indexer scores contain NaN")
-    selected = xp.sort(be.topk(scores, cfg.indexer_top_k))
-    for n, v in (
-        ("idx_q_raw", q_raw),
-        ("idx_q_rope", q_rope),
-        ("idx_q", q),
-        ("idx_w_raw", w_raw),
-        ("idx_w", w),
-        ("idx_scores", scores),
-        ("idx_selected", selected),
-    ):
-        trace(n, v)
+    scores = indexer_scores(q, w, index_rows)                              # [n_comp]
+    selected = xp.sort(be.topk(scores, cfg.indexer_top_k))                 # [top_k]
     allowed = xp.zeros((n_comp,), dtype=xp.bool_)
     allowed[selected] = True
-    return allowed
+    return allowed, Indexed(q_raw, q_rope, q, w_raw, w, scores, selected)

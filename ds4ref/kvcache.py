@@ -15,150 +15,23 @@ from ds4ref.quant import f16_round
 
 
 class KVCacheError(DS4RefError, ValueError):
-    """A KV cache was built with a bad size, given a row of the wrong width, or filled
-    past capacity."""
+    """A KV cache was built with a bad size (ctx_size not a positive integer)."""
 
 
-class LayerCache:
-    """One layer's KV state: raw window [cap_raw, head_dim], compressed rows, compressor
-    states.
+def f16_rows(row):
+    """row rounded to F16 and back to float32, in its own array library: what ds4.c's
+    cache stores.
+    Mirrors ds4.c: the F16 stores of kv_cache_push_raw (l. 6390)"""
+    row = f32(row)
+    xp = xp_of(row)
+    return f16_round(row) if xp is np else row.astype(xp.float16).astype(xp.float32)
 
-    Attributes: `raw`, `n_raw`, `cap_raw`; `ratio`, `comp`, `n_comp`, `comp_cap`,
-    `attn_state_kv`/`attn_state_score` [coff*ratio, coff*head_dim] (coff = 2 for ratio
-    4, else 1); for ratio 4 also `index_comp`, `n_index_comp`,
-    `index_state_kv`/`index_state_score`. The arrays are xp's (numpy; a device's for a
-    resident engine, chapter 9).
-    Mirrors ds4.c: ds4_layer_cache (l. 6154), kv_cache_init (l. 6333)
-    """
 
-    def __init__(self, cfg, il: int, ctx_size: int, xp=np):
-        if (
-            isinstance(ctx_size, bool)
-            or not isinstance(ctx_size, (int, np.integer))
-            or ctx_size < 1
-        ):
-            raise KVCacheError(f"ctx_size must be a positive integer, got {ctx_size!r}")
-        if not 0 <= il < cfg.n_layer:
-            raise KVCacheError(f"layer index {il} outside [0, {cfg.n_layer})")
-        self.il, self.ctx_size = int(il), int(ctx_size)
-        self.head_dim = hd = cfg.head_dim
-        self.ratio = r = cfg.compress_ratio(il)
-        self.cap_raw = min(cfg.n_swa, self.ctx_size)
+class CacheArrays:
+    """A layer cache's bookkeeping: an independent copy (a session snapshot), the bytes
+    its arrays hold, a one-line repr."""
 
-        def zeros(shape):
-            return xp.zeros(shape, dtype=xp.float32)
-
-        def empty_scores(shape):          # -1e30: no token has written the row yet
-            return xp.full(shape, float(NEG_INF), dtype=xp.float32)
-        self.raw = zeros((self.cap_raw, hd))
-        self.n_raw = 0
-        self.comp_cap = self.ctx_size // r + 2 if r else 0
-        self.n_comp = 0
-        self.n_index_comp = 0
-        self.comp = self.attn_state_kv = self.attn_state_score = None
-        self.index_comp = self.index_state_kv = self.index_state_score = None
-        if r:
-            coff = 2 if r == 4 else 1
-            self.comp = zeros((self.comp_cap, hd))
-            self.attn_state_kv = zeros((coff * r, coff * hd))
-            self.attn_state_score = empty_scores((coff * r, coff * hd))
-        if r == 4:
-            ihd = cfg.indexer_head_dim
-            self.index_comp = zeros((self.comp_cap, ihd))
-            self.index_state_kv = zeros((2 * r, 2 * ihd))
-            self.index_state_score = empty_scores((2 * r, 2 * ihd))
-
-    def _row(self, row, width: int, what: str):
-        row = f32(row)
-        if row.shape != (width,):
-            raise KVCacheError(
-                f"layer {self.il}: {what} row must have shape ({width},), got "
-                f"{row.shape}"
-            )
-        xp = xp_of(row)
-        return f16_round(row) if xp is np else row.astype(xp.float16).astype(xp.float32)
-
-    def push_raw(self, row) -> None:
-        """Append one KV row [head_dim], F16-rounded; once the window is full it slides
-        by one row.
-
-        Mirrors ds4.c: kv_cache_push_raw (l. 6390)"""
-        row = self._row(row, self.head_dim, "raw KV")
-        if self.n_raw < self.cap_raw:
-            self.raw[self.n_raw] = row
-            self.n_raw += 1
-        else:                    # a copy first: one kernel may not read what it writes
-            self.raw[:-1] = copy_array(self.raw[1:])
-            self.raw[-1] = row
-
-    def _push_comp(self, rows: np.ndarray, n: int, row, what: str) -> int:
-        if rows is None:
-            raise KVCacheError(
-                f"layer {self.il} (ratio {self.ratio}) has no {what} rows"
-            )
-        row = self._row(row, rows.shape[1], what)
-        if n >= self.comp_cap:
-            raise KVCacheError(
-                f"layer {self.il}: {what} cache full ({self.comp_cap} rows for "
-                f"ctx_size {self.ctx_size}, ratio {self.ratio})"
-            )
-        rows[n] = row
-        return n + 1
-
-    def push_comp(self, row) -> None:
-        """Append one compressed attention row [head_dim], F16-rounded; overflow is a
-        KVCacheError.
-
-        Mirrors ds4.c: kv_cache_push_comp (l. 6405)"""
-        self.n_comp = self._push_comp(self.comp, self.n_comp, row, "compressed")
-
-    def push_index_comp(self, row) -> None:
-        """Append one compressed indexer row [indexer_head_dim], F16-rounded.
-
-        Mirrors ds4.c: kv_cache_push_comp (l. 6405)"""
-        self.n_index_comp = self._push_comp(
-            self.index_comp, self.n_index_comp, row, "indexer"
-        )
-
-    @property
-    def raw_rows(self) -> np.ndarray:
-        """The visible raw rows, oldest first: [n_raw, head_dim] (a view)."""
-        return self.raw[:self.n_raw]
-
-    @property
-    def comp_rows(self) -> np.ndarray:
-        """The compressed attention rows: [n_comp, head_dim] (empty for ratio-0
-        layers)."""
-        return self.comp[:self.n_comp] if self.ratio else self.raw[:0]
-
-    @property
-    def index_rows(self) -> np.ndarray | None:
-        """The compressed indexer rows [n_index_comp, indexer_head_dim], or None on
-        non-ratio-4 layers."""
-        return self.index_comp[:self.n_index_comp] if self.ratio == 4 else None
-
-    def finish_prefill_states(self, n_tokens: int) -> None:
-        """After a prefill of n_tokens, reset the state rows the open window has not
-        written yet.
-
-        Those rows are rewritten before the next pooling reads them, so no output
-        changes.
-        Mirrors ds4.c: compressor_finish_prefill_state_cpu (l. 6414), called per layer
-        by kv_cache_finish_prefill_states (l. 6436)"""
-        if not self.ratio:
-            return
-        rem = n_tokens % self.ratio
-        start, end = (
-            (self.ratio + rem, 2 * self.ratio) if self.ratio == 4 else (rem, self.ratio)
-        )
-        states = [(self.attn_state_kv, self.attn_state_score)]
-        if self.ratio == 4:
-            states.append((self.index_state_kv, self.index_state_score))
-        for kv, score in states:
-            kv[start:end] = 0
-            score[start:end] = NEG_INF
-
-    def copy(self) -> "LayerCache":
+    def copy(self):
         """An independent copy (a session snapshot)."""
         new = copy.copy(self)
         for k, v in vars(self).items():
@@ -172,11 +45,98 @@ class LayerCache:
         return sum(a.nbytes for a in vars(self).values() if hasattr(a, "shape"))
 
     def __repr__(self) -> str:
-        return (
-            f"LayerCache(il={self.il}, ratio={self.ratio}, raw "
-            f"{self.n_raw}/{self.cap_raw}, "
-            f"comp {self.n_comp}/{self.comp_cap}, index {self.n_index_comp})"
-        )
+        return (f"LayerCache(il={self.il}, ratio={self.ratio}, raw {self.n_raw}/"
+                f"{self.cap_raw}, comp {self.n_comp}/{self.comp_cap}, index "
+                f"{self.n_index_comp})")
+
+
+class LayerCache(CacheArrays):
+    """One layer's KV state: raw window [cap_raw, head_dim], compressed rows, compressor
+    states (`attn_state_*` [coff*ratio, coff*head_dim], coff = 2 for ratio 4, else 1;
+    `index_*` for ratio 4), in xp's arrays (a device's for a resident engine).
+    Mirrors ds4.c: ds4_layer_cache (l. 6154), kv_cache_init (l. 6333)"""
+
+    def __init__(self, cfg, il: int, ctx_size: int, xp=np):
+        if isinstance(ctx_size, bool) or not isinstance(ctx_size, (int, np.integer)) \
+                or ctx_size < 1:
+            raise KVCacheError(f"ctx_size must be a positive integer, got {ctx_size!r}")
+        self.il, self.ctx_size, self.head_dim = int(il), int(ctx_size), cfg.head_dim
+        self.ratio = r = cfg.compress_ratio(il)
+        hd, ihd, coff = cfg.head_dim, cfg.indexer_head_dim, 2 if r == 4 else 1
+        self.cap_raw = min(cfg.n_swa, self.ctx_size)
+        self.comp_cap = self.ctx_size // r + 2 if r else 0
+        self.n_raw = self.n_comp = self.n_index_comp = 0
+
+        def zeros(*shape):
+            return xp.zeros(shape, dtype=xp.float32)
+
+        def unwritten(*shape):            # -1e30: no token has written the row yet
+            return xp.full(shape, float(NEG_INF), dtype=xp.float32)
+        self.raw = zeros(self.cap_raw, hd)
+        self.comp = self.attn_state_kv = self.attn_state_score = None
+        self.index_comp = self.index_state_kv = self.index_state_score = None
+        if r:
+            self.comp = zeros(self.comp_cap, hd)
+            self.attn_state_kv = zeros(coff * r, coff * hd)
+            self.attn_state_score = unwritten(coff * r, coff * hd)
+        if r == 4:
+            self.index_comp = zeros(self.comp_cap, ihd)
+            self.index_state_kv = zeros(2 * r, 2 * ihd)
+            self.index_state_score = unwritten(2 * r, 2 * ihd)
+
+    def push_raw(self, row) -> None:
+        """Append one KV row [head_dim], F16-rounded; once the window is full it slides
+        by one row.
+        Mirrors ds4.c: kv_cache_push_raw (l. 6390)"""
+        if self.n_raw < self.cap_raw:
+            self.raw[self.n_raw] = f16_rows(row)
+            self.n_raw += 1
+        else:                    # a copy first: one kernel may not read what it writes
+            self.raw[:-1] = copy_array(self.raw[1:])
+            self.raw[-1] = f16_rows(row)
+
+    def push_comp(self, row) -> None:
+        """Append one compressed attention row [head_dim], F16-rounded.
+        Mirrors ds4.c: kv_cache_push_comp (l. 6405)"""
+        self.comp[self.n_comp] = f16_rows(row)
+        self.n_comp += 1
+
+    def push_index_comp(self, row) -> None:
+        """Append one compressed indexer row [indexer_head_dim], F16-rounded.
+        Mirrors ds4.c: kv_cache_push_comp (l. 6405)"""
+        self.index_comp[self.n_index_comp] = f16_rows(row)
+        self.n_index_comp += 1
+
+    @property
+    def raw_rows(self) -> np.ndarray:
+        """The visible raw rows, oldest first: [n_raw, head_dim] (a view)."""
+        return self.raw[:self.n_raw]
+
+    @property
+    def comp_rows(self) -> np.ndarray:
+        """The compressed attention rows: [n_comp, head_dim] (empty for ratio 0)."""
+        return self.comp[:self.n_comp] if self.ratio else self.raw[:0]
+
+    @property
+    def index_rows(self) -> np.ndarray | None:
+        """The compressed indexer rows [n_index_comp, indexer_head_dim] (ratio 4)."""
+        return self.index_comp[:self.n_index_comp] if self.ratio == 4 else None
+
+    def finish_prefill_states(self, n_tokens: int) -> None:
+        """After a prefill of n_tokens, reset the state rows the open window has not
+        written yet (rewritten before the next pooling reads them: no output changes).
+        Mirrors ds4.c: compressor_finish_prefill_state_cpu (l. 6414), called per layer
+        by kv_cache_finish_prefill_states (l. 6436)"""
+        if not self.ratio:
+            return
+        r, rem = self.ratio, n_tokens % self.ratio
+        start, end = (r + rem, 2 * r) if r == 4 else (rem, r)
+        states = [(self.attn_state_kv, self.attn_state_score)]
+        if r == 4:
+            states.append((self.index_state_kv, self.index_state_score))
+        for kv, score in states:
+            kv[start:end] = 0
+            score[start:end] = NEG_INF
 
 
 class KVCache:

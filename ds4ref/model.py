@@ -5,22 +5,38 @@ number of tokens (one: decode; a prompt: prefill)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from ds4ref.attention_layer import Attention
-from ds4ref.backend import NUMPY
 from ds4ref.ggml_types import GGMLType
 from ds4ref.gguf import DS4RefError
 from ds4ref.hc import (hc_from_plain_embedding, hc_mix, hc_weighted_sum,
                        output_hc_weights)
 from ds4ref.moe import MoE
 from ds4ref.norms import rms_norm_weight
-from ds4ref.trace import NO_TRACE, Hooks, Trace  # noqa: F401
+from ds4ref.trace import NO_HOOKS
 
 
 class ModelError(DS4RefError, ValueError):
     """Bad input to the forward pass (the message names it)."""
+
+
+def check_tokens(tokens, n_vocab: int, pos0: int, ctx_size: int) -> np.ndarray:
+    """The token ids of one forward call as int64 [T]: a non-empty 1-D list of ids in
+    [0, n_vocab) whose positions pos0.. fit the cache's ctx_size (else ModelError)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise ModelError("tokens: the forward pass needs a 1-D list of ids, got "
+                         f"shape {tokens.shape}")
+    bad = tokens[(tokens < 0) | (tokens >= n_vocab)]
+    if len(bad):
+        raise ModelError(f"token id {bad[0]}: out of range [0, {n_vocab})")
+    if pos0 < 0 or pos0 + len(tokens) > ctx_size:
+        raise ModelError(f"positions {pos0}..{pos0 + len(tokens) - 1} do not fit a "
+                         f"cache of ctx_size {ctx_size}")
+    return tokens
 
 
 def embed_token(w, token: int) -> np.ndarray:
@@ -40,23 +56,38 @@ def embed_token(w, token: int) -> np.ndarray:
     return table.data[int(token)].view(np.float16).astype(np.float32)
 
 
-def output_logits(
-    cfg, w, X: np.ndarray, be=NUMPY, trace: Callable = NO_TRACE
-) -> np.ndarray:
-    """Logits [..., n_vocab] from the last HC state X [..., n_hc, n_embd]: HC head,
-    output norm, Q8_0 output.
+def forward_token(cfg, w, cache, token: int, pos: int, be) -> np.ndarray:
+    """Logits [n_vocab] after token at position pos; appends it to cache (a Model built
+    for one call).
+    Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703)"""
+    return Model(cfg, w, be)([token], cache, pos)
 
-    Mirrors ds4.c: output_logits_one (l. 8036) with output_hc_head_one (l. 8008)
-    """
+
+def prefill(cfg, w, cache, tokens: Sequence[int], be) -> np.ndarray:
+    """Logits [n_vocab] after the last of tokens, run layer-major from position 0 on an
+    empty cache (a Model built for one call).
+    Mirrors ds4.c: prefill_layer_major_cpu (l. 7763)"""
+    return Model(cfg, w, be).prefill(tokens, cache)
+
+
+class OutputHead(NamedTuple):
+    """The output head's values before the logits: HC mix, HC weights, the folded
+    embedding and its norm (ds4.c's out_* dumps)."""
+    hc_mix: object
+    hc_w: object
+    embd: object
+    norm: object
+
+
+def output_logits(cfg, w, X, be):
+    """(logits [..., n_vocab], OutputHead) from the last HC state X [..., n_hc, n_embd]:
+    HC head, output norm, Q8_0 output.
+    Mirrors ds4.c: output_logits_one (l. 8036) with output_hc_head_one (l. 8008)"""
     mix = hc_mix(X, w.output_hc_fn, cfg, be)                                # [n_hc]
     weights = output_hc_weights(mix, w.output_hc_scale, w.output_hc_base, cfg.hc_eps)
     embd = hc_weighted_sum(X, weights)                                      # [n_embd]
     normed = rms_norm_weight(embd, w.output_norm, cfg.rms_eps)
-    logits = be.project(w.output, normed)                                   # [n_vocab]
-    for name, v in (("out_hc_mix", mix), ("out_hc_w", weights), ("out_embd", embd),
-                    ("out_norm", normed), ("logits", logits)):
-        trace(name, v)
-    return logits
+    return be.project(w.output, normed), OutputHead(mix, weights, embd, normed)
 
 
 class Block:
@@ -65,96 +96,67 @@ class Block:
     Mirrors ds4.c: layer_forward_raw_swa_one (l. 7527), the layer loop of
     prefill_layer_major_cpu (l. 7763)"""
 
-    def __init__(self, cfg, lw, be=NUMPY, hooks=None):
+    def __init__(self, cfg, lw, be):
         self.il = lw.il
-        self.attn = Attention(cfg, lw, be, hooks)
-        self.ffn = MoE(cfg, lw, be, hooks)
+        self.attn, self.ffn = Attention(cfg, lw, be), MoE(cfg, lw, be)
 
-    def __call__(self, X, tokens, cache, pos0: int):
+    def __call__(self, X, tokens, cache, pos0: int, hooks=NO_HOOKS):
         """X [T, n_hc, n_embd] -> [T, n_hc, n_embd]; cache: this layer's LayerCache."""
-        self.attn.hooks.layer(self.il, pos0, len(X))("hc_in", X)
-        return self.ffn(self.attn(X, cache, pos0), tokens, pos0)
+        return self.ffn(self.attn(X, cache, pos0, hooks), tokens, pos0, hooks)
 
 
 class Model:
     """The whole model on backend `be`: the embedding, one Block per layer, the output
-    head. model(tokens, cache, pos0) runs T tokens at positions pos0.. layer-major (a
-    prompt's prefill, or one decode token) and returns the last token's logits.
-    `hooks` (a trace, decisions to replay, steering) reach every layer.
+    head. model(tokens, cache, pos0, hooks=...) runs T tokens at positions pos0..
+    layer-major (a prompt's prefill, or one decode token) and returns the last token's
+    logits; `hooks` (chapter 6) travel with the call.
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703),
     prefill_layer_major_cpu (l. 7763)"""
 
-    def __init__(self, cfg, w, be=NUMPY):
+    def __init__(self, cfg, w, be):
         if w.token_embd.ggml_type != GGMLType.F16:
-            raise ModelError(
-                f"tensor {w.token_embd.name!r}: expected type F16, got "
-                f"{GGMLType(w.token_embd.ggml_type).name}"
-            )
+            raise ModelError(f"tensor {w.token_embd.name!r}: expected type F16, got "
+                             f"{GGMLType(w.token_embd.ggml_type).name}")
         self.cfg, self.w, self.be = cfg, w, be
-        self.hooks = Hooks()
-        self.blocks = [Block(cfg, lw, be, self.hooks) for lw in w.layers]
+        self.blocks = [Block(cfg, lw, be) for lw in w.layers]
         self.head = type(w)(**{k: be.place(getattr(w, k)) for k in
                                ("token_embd", "output_hc_base", "output_hc_fn",
                                 "output_hc_scale", "output_norm", "output")}, layers=())
 
     def hidden(self, tokens, cache, pos0: int = 0,
-               progress: Callable[[int, int], None] | None = None):
+               progress: Callable[[int, int], None] | None = None, hooks=NO_HOOKS):
         """The final HC states [T, n_hc, n_embd] of `tokens` at positions pos0..,
         appending them to cache (chapter 6's KVCache)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.ndim != 1 or len(tokens) == 0:
-            raise ModelError("tokens: the forward pass needs a 1-D list of ids, got "
-                             f"shape {tokens.shape}")
-        bad = tokens[(tokens < 0) | (tokens >= self.cfg.n_vocab)]
-        if len(bad):
-            raise ModelError(f"token id {bad[0]}: out of range [0, {self.cfg.n_vocab})")
-        trace, be = self.hooks.trace, self.be
-        ids = be.upload(tokens.astype(np.int32))              # the one upload per call
-        x = be.embed(self.head.token_embd, ids)               # [T, n_embd]
-        for t, tok in enumerate(tokens):
-            trace.record("token", np.array([tok], np.int32), None, pos0 + t)
-        if trace is not NO_TRACE:
-            for t in range(len(tokens)):
-                trace.record("embd", be.download(x[t]), None, pos0 + t)
+        tokens = check_tokens(tokens, self.cfg.n_vocab, pos0, cache.ctx_size)
+        ids = self.be.upload(tokens.astype(np.int32))         # the one upload per call
+        x = self.be.embed(self.head.token_embd, ids)          # [T, n_embd]
+        hooks.record(None, pos0, {"token": tokens.astype(np.int32)[:, None], "embd": x},
+                     n=len(tokens))
         X = hc_from_plain_embedding(x, self.cfg.n_hc)         # [T, n_hc, n_embd]
         for block, layer_cache in zip(self.blocks, cache.layers):
-            X = block(X, ids, layer_cache, pos0)
+            X = block(X, ids, layer_cache, pos0, hooks)
             if progress is not None:
                 progress(block.il + 1, len(self.blocks))
         return X
 
-    def logits(self, X, pos: int):
+    def logits(self, X, pos: int, hooks=NO_HOOKS):
         """The logits [n_vocab] of one token's final HC state X [n_hc, n_embd]."""
-        hook = getattr(self.hooks.trace, "at", None)
-        trace = NO_TRACE if hook is None else hook(None, pos)
-        return output_logits(self.cfg, self.head, X, self.be, trace)
+        logits, head = output_logits(self.cfg, self.head, X, self.be)
+        hooks.record(None, pos, {"out": head, "logits": logits})
+        return logits
 
-    def __call__(self, tokens, cache, pos0: int = 0, progress=None):
+    def __call__(self, tokens, cache, pos0: int = 0, progress=None, hooks=NO_HOOKS):
         """The last token's logits [n_vocab] after tokens at pos0.. (cache updated)."""
-        X = self.hidden(tokens, cache, pos0, progress)
-        logits = self.logits(X[-1], pos0 + len(X) - 1)
+        X = self.hidden(tokens, cache, pos0, progress, hooks)
+        logits = self.logits(X[-1], pos0 + len(X) - 1, hooks)
         self.be.evaluate(logits, *cache.arrays())     # a lazy device computes it now
         return logits
 
-    def prefill(self, tokens, cache, progress=None):
+    def prefill(self, tokens, cache, progress=None, hooks=NO_HOOKS):
         """A prompt from position 0 on an empty cache: its last logits.
         Mirrors ds4.c: prefill_layer_major_cpu (l. 7763)"""
-        logits = self(tokens, cache, 0, progress)
+        logits = self(tokens, cache, 0, progress, hooks)
         # ds4.c l. 7911: clear compressor rows not yet written
         for layer_cache in cache.layers:
             layer_cache.finish_prefill_states(len(tokens))
         return logits
-
-
-def forward_token(cfg, w, cache, token: int, pos: int, be=NUMPY) -> np.ndarray:
-    """Logits [n_vocab] after token at position pos; appends it to cache (a Model built
-    for one call: a convenience of the op chapters and the tests).
-    Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703)"""
-    return Model(cfg, w, be)([token], cache, pos)
-
-
-def prefill(cfg, w, cache, tokens: Sequence[int], be=NUMPY) -> np.ndarray:
-    """Logits [n_vocab] after the last of tokens, run layer-major from position 0 on an
-    empty cache (a Model built for one call).
-    Mirrors ds4.c: prefill_layer_major_cpu (l. 7763)"""
-    return Model(cfg, w, be).prefill(tokens, cache)

@@ -4,19 +4,17 @@
 routed experts and the whole FFN sub-layer of a DeepSeek V4 Flash layer, as ds4.c's CPU
 path computes them."""
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ds4ref.arrays import f32, xp_of
-from ds4ref.backend import NUMPY
 from ds4ref.hc import HyperConnection, hc_weighted_sum
 from ds4ref.ggml_types import GGMLType
 from ds4ref.norms import rms_norm_weight
-# the activations and the routed-expert references sit below the backend (ds4ref.ops)
-from ds4ref.ops import (MoEError, experts_down, experts_down_batch,  # noqa: F401
-                        experts_gate_up, experts_gate_up_batch, q8k_rows,
-                        silu, sum_slots, swiglu, topk_desc)
-from ds4ref.quant import quantize_q8_0, quantize_q8_K
-from ds4ref.trace import NO_TRACE, Hooks
+from ds4ref.ops import (MoEError, experts_down, experts_gate_up,  # noqa: F401
+                        q8k_rows, silu, sum_slots, swiglu, topk_desc)
+from ds4ref.trace import NO_HOOKS
 from ds4ref.weights import f32_of
 
 # 2^-14: the floor ds4.c puts under the sum of the 6 weights
@@ -34,48 +32,37 @@ def softplus_stable(x):
     return xp.where(x > 20, x, xp.where(x < -20, xp.exp(x), mid))
 
 
-def _trace_quant(trace, name, act):
-    """Trace a quantized activation as ops_A names it: name.qs, name.d (and name.bsums
-    for Q8_K)."""
-    for field in act._fields:
-        trace(f"{name}.{field}", getattr(act, field))
+class Shared(NamedTuple):
+    """The shared expert's values: its Q8_0 input xq, gate and up [..., n_ff], mid,
+    mid's Q8_0 midq, out [..., n_embd]."""
+    xq: object
+    gate: object
+    up: object
+    mid: object
+    midq: object
+    out: object
 
 
-def shared_ffn(cfg, lw, f, be=NUMPY, trace=NO_TRACE):
-    """The shared expert on the normed FFN input f [..., n_embd] -> [..., n_embd] (Q8_0
-    SwiGLU MLP, clamp 10).
-
+def shared_ffn(cfg, lw, f, be) -> Shared:
+    """The shared expert on the normed FFN input f [..., n_embd] (a Q8_0 SwiGLU MLP,
+    clamp 10); its output is Shared.out [..., n_embd].
     Mirrors ds4.c: layer_shared_ffn_one (l. 5108), layer_shared_ffn_batch (l. 5186)"""
-    f = f32(f)
-    # one int8 activation for gate and up
-    a = be.quantize_q8_0(f)
-    _trace_quant(trace, "q8.ffn_gate_shexp", a)
-    # [..., n_ff]
-    g = be.project(lw.ffn_gate_shexp, a)
-    u = be.project(lw.ffn_up_shexp, a)
-    mid = swiglu(g, u, cfg.swiglu_clamp)
-    trace("shared_gate", g)
-    trace("shared_up", u)
-    trace("shared_mid", mid)
-    if trace is not NO_TRACE:
-        # what matvec_q8_0 quantizes inside
-        _trace_quant(trace, "q8.ffn_down_shexp", be.quantize_q8_0(mid))
-    out = be.project(lw.ffn_down_shexp, mid)               # [..., n_embd]
-    trace("shared_out", out)
-    return out
+    xq = be.quantize_q8_0(f)                      # one int8 activation for gate and up
+    gate = be.project(lw.ffn_gate_shexp, xq)                            # [..., n_ff]
+    up = be.project(lw.ffn_up_shexp, xq)
+    mid = swiglu(gate, up, cfg.swiglu_clamp)
+    midq = be.quantize_q8_0(mid)
+    out = be.project(lw.ffn_down_shexp, midq)                           # [..., n_embd]
+    return Shared(xq, gate, up, mid, midq, out)
 
 
-def router_probs(lw, f, be=NUMPY):
+def router_probs(lw, f, be):
     """Router logits W_gate_inp f (F16 matvec on the unquantized f) and scores
     sqrt(softplus(logits)).
 
     f: float32 [..., n_embd] -> (logits, probs), each float32 [..., n_expert].
     Mirrors ds4.c: layer_router_probs_one (l. 5252)"""
-    if lw.ffn_gate_inp is None:
-        raise MoEError(
-            f"layer {getattr(lw, 'il', '?')}: router tensor ffn_gate_inp is missing"
-        )
-    logits = be.project(lw.ffn_gate_inp, f32(f))
+    logits = be.project(lw.ffn_gate_inp, f)
     return logits, xp_of(logits).sqrt(softplus_stable(logits))
 
 
@@ -106,13 +93,6 @@ def router_weights(probs, sel, cfg):
     layer_hash_router_weights_from_probs (l. 5265)"""
     probs = f32(probs)
     xp = xp_of(probs)
-    if xp is np:                     # on a device the ids come from its own router
-        sel = np.asarray(sel)
-        if sel.size and (sel.min() < 0 or sel.max() >= probs.shape[-1]):
-            raise MoEError(
-                f"router_weights: expert id outside [0, {probs.shape[-1]}): "
-                f"{sel.min()}..{sel.max()}"
-            )
     w = xp.take_along_axis(probs, sel.astype(xp.int32), axis=-1)
     s = xp.zeros(w.shape[:-1], dtype=xp.float32)
     for i in range(w.shape[-1]):                            # float32, slot order
@@ -121,168 +101,115 @@ def router_weights(probs, sel, cfg):
     return w / s[..., None] * cfg.expert_weights_scale
 
 
-def hash_selected_experts(lw, token, cfg):
-    """The 6 experts of a hash-routed layer: tid2eid[6*token + i], i = 0..5 (token: int
-    or int array [T]).
-
-    Returns int32 [6] (or [T, 6]). lw's ffn_gate_tid2eid is the I32 Tensor (checked
-    here) or a table a backend placed (checked when placed).
+def hash_selected_experts(lw, token):
+    """The 6 experts of a hash-routed layer: row `token` of its table (int32
+    [n_vocab, 6], ffn_gate_tid2eid as a backend places it), int32 [6], or [T, 6] for
+    ids [T].
     Mirrors ds4.c: layer_hash_selected_experts (l. 5231)"""
+    table = lw.ffn_gate_tid2eid
+    return xp_of(table).take(table, token, axis=0)
+
+
+def check_hash_table(lw, cfg) -> None:
+    """Layer lw's hash table, as read from the file: I32 [n_expert_used, n_vocab], every
+    entry in [0, n_expert); MoEError naming the tensor otherwise.
+    Mirrors ds4.c: weights_validate_layout (l. 2357) for ffn_gate_tid2eid"""
     t = lw.ffn_gate_tid2eid
     if t is None:
-        raise MoEError(
-            f"layer {getattr(lw, 'il', '?')}: hash routing table "
-            "ffn_gate_tid2eid is missing"
-        )
-    name = getattr(t, "name", "ffn_gate_tid2eid")
-    if hasattr(t, "ggml_type"):
-        k = cfg.n_expert_used
-        if int(t.ggml_type) != GGMLType.I32 or len(t.shape) != 2 or t.shape[0] != k:
-            raise MoEError(
-                f"tensor {name!r}: expected I32 [{cfg.n_expert_used}, n_vocab], "
-                f"got type {int(t.ggml_type)} shape {list(t.shape)}"
-            )
-        t = t.numpy()                                     # int32 [n_vocab, 6]
-    if xp_of(t) is not np:      # a device table (checked when its backend placed it)
-        return xp_of(t).take(t, token, axis=0)
-    tok = np.asarray(token)
-    if not np.issubdtype(tok.dtype, np.integer):
-        raise MoEError(f"hash routing: token ids must be integers, got {tok.dtype}")
-    if tok.size and (tok.min() < 0 or tok.max() >= len(t)):
-        raise MoEError(
-            f"hash routing: token id outside the table [0, {len(t)}): "
-            f"{tok.min()}..{tok.max()}"
-        )
-    sel = t[tok]                                           # [..., 6]
-    if sel.size and (sel.min() < 0 or sel.max() >= cfg.n_expert):
-        raise MoEError(
-            f"tensor {name!r}: expert id outside [0, {cfg.n_expert}) for "
-            f"token(s) {token}"
-        )
-    return sel.astype(np.int32)
+        return
+    want = [cfg.n_expert_used, cfg.n_vocab]
+    if int(t.ggml_type) != GGMLType.I32 or list(t.shape) != want:
+        raise MoEError(f"tensor {t.name!r}: expected I32 {want}, got type "
+                       f"{int(t.ggml_type)} shape {list(t.shape)}")
+    ids = t.numpy()
+    if ids.min() < 0 or ids.max() >= cfg.n_expert:
+        raise MoEError(f"tensor {t.name!r}: expert ids {ids.min()}..{ids.max()} "
+                       f"outside [0, {cfg.n_expert})")
 
 
-def select_experts(cfg, lw, f, token, be=NUMPY, trace=NO_TRACE, force_experts=None):
-    """Route the normed input f [..., n_embd]: expert ids int32 [..., 6] and weights
-    float32 [..., 6].
+class Route(NamedTuple):
+    """The router's values for T tokens: logits and scores [T, n_expert], and the
+    biased scores the top-k reads (None in a hash layer)."""
+    logits: object
+    probs: object
+    biased: object
 
-    Hash table for layers with ffn_gate_tid2eid, else top-6 of probs + exp_probs_b;
-    weights from the unbiased router scores. force_experts replays given ids (e.g.
-    ds4.c's recorded ones) instead.
+
+def select_experts(cfg, lw, f, tokens, be):
+    """Route the normed input f [T, n_embd] of tokens [T]: (Route, expert ids int32
+    [T, 6]), by the hash table for layers with ffn_gate_tid2eid, else the top 6 of
+    probs + exp_probs_b.
     Mirrors ds4.c: the routing part of layer_routed_moe_one (l. 5361)"""
     logits, probs = router_probs(lw, f, be)
-    trace("router_logits", logits)
-    trace("router_probs", probs)
     if lw.ffn_gate_tid2eid is not None:
-        sel = hash_selected_experts(lw, token, cfg)
-    else:
-        score = probs
-        if lw.ffn_exp_probs_b is not None:
-            score = probs + f32_of(lw.ffn_exp_probs_b)
-            trace("router_biased", score)
-        if xp_of(score) is np and np.isnan(score).any():
-            raise MoEError("select_experts: the router scores contain NaN")
-        sel = be.topk(score, cfg.n_expert_used)
-    if force_experts is not None:
-        forced = np.asarray(force_experts)
-        if forced.shape != sel.shape or not np.issubdtype(forced.dtype, np.integer):
-            raise MoEError(
-                f"force_experts: expected integer ids of shape {sel.shape}, got "
-                f"{forced.dtype} {forced.shape}"
-            )
-        if forced.min() < 0 or forced.max() >= cfg.n_expert:
-            raise MoEError(f"force_experts: expert id outside [0, {cfg.n_expert}): "
-                           f"{forced.min()}..{forced.max()}")
-        sel = be.upload(forced.astype(np.int32))
-    weights = router_weights(probs, sel, cfg)
-    trace("exp_ids", sel)
-    trace("exp_weights", weights)
-    return sel, weights
+        return Route(logits, probs, None), hash_selected_experts(lw, tokens)
+    biased = probs if lw.ffn_exp_probs_b is None else probs + f32_of(lw.ffn_exp_probs_b)
+    return Route(logits, probs, biased), be.topk(biased, cfg.n_expert_used)
 
 
-def _expert_tensors(lw):
-    if lw.ffn_gate_exps is None or lw.ffn_up_exps is None or lw.ffn_down_exps is None:
-        raise MoEError(
-            f"layer {getattr(lw, 'il', '?')}: routed expert tensors are missing"
-        )
-    return lw.ffn_gate_exps, lw.ffn_up_exps, lw.ffn_down_exps
+class Routed(NamedTuple):
+    """The routed experts' values for T tokens: the Q8_K input xq [T, n_embd], mid
+    [T, 6, n_ff], its Q8_K midq and the output out [T, n_embd]."""
+    xq: object
+    mid: object
+    midq: object
+    out: object
 
 
-def routed_moe(cfg, lw, f, tokens, be=NUMPY, trace=NO_TRACE, force_experts=None):
-    """The routed experts of T tokens: f [T, n_embd] (ffn-normed), tokens [T] -> moe_out
-    [T, n_embd].
-
-    Q8_K(f) -> 6 x (IQ2_XXS gate/up, clamped SwiGLU * route weight, Q8_K, Q2_K down) ->
-    sum in slot order, as one backend call, be.routed_experts (one token: the fused
-    kernels; more: each active expert once on all its tokens). A trace also gets the
-    per-expert exp_gate, exp_up, exp_mid and exp_down, computed next to it by
-    chapter 3's per-expert kernels (the result does not change).
+def routed_moe(cfg, lw, f, ids, weights, be) -> Routed:
+    """The routed experts of T tokens: f [T, n_embd] (ffn-normed), the experts ids
+    [T, 6] and their weights -> Routed (out: moe_out [T, n_embd]). Q8_K(f) -> 6 x
+    (gate/up, clamped SwiGLU * weight) -> Q8_K -> 6 x down, summed in slot order.
     Mirrors ds4.c: layer_routed_moe_one (l. 5361), layer_routed_moe_batch (l. 5509)"""
-    f = f32(f)
-    if f.ndim != 2 or f.shape[1] != cfg.n_embd:
-        raise MoEError(f"routed_moe: f must be [T, {cfg.n_embd}], got {list(f.shape)}")
-    gate_w, up_w, down_w = _expert_tensors(lw)
     xq = be.quantize_q8_K(f)                                   # [T, n_embd] int8 rows
-    _trace_quant(trace, "q8k.ffn_gate_up_exps", xq)
-    sel, weights = select_experts(cfg, lw, f, tokens, be, trace, force_experts)
-    moe = be.routed_experts(gate_w, up_w, down_w, sel, weights, xq, cfg.swiglu_clamp)
-
-    if trace is not NO_TRACE:  # the per-expert vectors, for the record only
-        gate, up, mid, midq, down = be.routed_experts_record(
-            gate_w, up_w, down_w, sel, weights, xq, cfg.swiglu_clamp)
-        trace("exp_gate", gate)
-        trace("exp_up", up)
-        trace("exp_mid", mid)
-        _trace_quant(trace, "q8k.ffn_down_exps", midq)
-        trace("exp_down", down)
-        trace("moe_out", moe)
-    return moe
+    mid = be.experts_mid(lw.ffn_gate_exps, lw.ffn_up_exps, ids, weights, xq,
+                         cfg.swiglu_clamp)                          # [T, 6, n_ff]
+    midq = be.quantize_q8_K(mid)
+    out = be.experts_down(lw.ffn_down_exps, ids, midq)             # [T, n_embd]
+    return Routed(xq, mid, midq, out)
 
 
 class MoE:
     """The FFN sub-layer of one layer on backend `be`, for T tokens at positions
     pos0.. (decode: T = 1): HC pre, RMSNorm(ffn_norm), the routed experts and the shared
-    expert, [steering,] HC post. `hooks` hold the trace, the
-    decisions to replay and the steering.
+    expert, HC post.
     Mirrors ds4.c: layer_ffn_one (l. 5659), layer_ffn_batch (l. 5838)"""
 
-    def __init__(self, cfg, lw, be=NUMPY, hooks=None):
+    def __init__(self, cfg, lw, be):
+        check_hash_table(lw, cfg)
         self.cfg, self.be, self.il = cfg, be, lw.il
-        if lw.ffn_gate_tid2eid is not None:   # every entry checked once, on the host:
-            hash_selected_experts(lw, np.arange(cfg.n_vocab), cfg)  # a device trusts it
         self.w = be.place_layer(lw)             # the layer's weights as be keeps them
         self.hc = HyperConnection(cfg, self.w.hc_ffn_fn, self.w.hc_ffn_scale,
                                   self.w.hc_ffn_base, be)
-        self.hooks = Hooks() if hooks is None else hooks
 
-    def __call__(self, X, tokens, pos0: int):
+    def __call__(self, X, tokens, pos0: int, hooks=NO_HOOKS):
         """X [T, n_hc, n_embd], the tokens' ids [T] -> [T, n_hc, n_embd]."""
-        cfg, be, w, T = self.cfg, self.be, self.w, len(X)
-        if X.ndim != 3 or X.shape[1:] != (cfg.n_hc, cfg.n_embd) or len(tokens) != T:
-            raise MoEError(f"MoE: X must be [T, {cfg.n_hc}, {cfg.n_embd}] and tokens "
-                           f"[T], got {list(X.shape)} and {len(tokens)} tokens")
-        if T == 0:
-            return X
-        trace = self.hooks.layer(self.il, pos0, T)
+        cfg, be, w, il = self.cfg, self.be, self.w, self.il
         mix = self.hc.mix(X)                                            # [T, 24]
-        pre, post, comb = self.hc.split(mix)
+        pre, post, comb = self.hc.split(mix)                 # [T, 4], [T, 4], [T, 4, 4]
         x = hc_weighted_sum(X, pre)                                     # [T, n_embd]
-        trace("ffn_hc_mix", mix)
-        if trace is not NO_TRACE:
-            xp = xp_of(pre)
-            flat = xp.concatenate([pre, post, comb.reshape(T, -1)], axis=-1)
-            trace("ffn_hc_split", flat)
-        for n, v in (("ffn_x", x), ("ffn_post", post), ("ffn_comb", comb)):
-            trace(n, v)
         f = rms_norm_weight(x, w.ffn_norm, cfg.rms_eps)
-        trace("ffn_norm", f)
-        force = self.hooks.forced("experts", self.il, pos0, T)
-        moe = routed_moe(cfg, w, f, tokens, be, trace, force)
-        y = moe + shared_ffn(cfg, w, f, be, trace)
-        steer = self.hooks.steer(self.il)[1]
-        if steer is not None:  # ds4.c l. 5729 / 5883: directional steering
-            y = steer(y)
-        trace("ffn_out", y)
+        route, ids = select_experts(cfg, w, f, tokens, be)              # ids [T, 6]
+        ids = hooks.decide("experts", il, pos0, ids, be)
+        weights = router_weights(route.probs, ids, cfg)                 # [T, 6]
+        routed = routed_moe(cfg, w, f, ids, weights, be)
+        shared = shared_ffn(cfg, w, f, be)
+        y = hooks.steer("ffn", il, routed.out + shared.out)     # ds4.c l. 5729 / 5883
         out = HyperConnection.post(y, X, post, comb)
-        trace("hc_out", out)
+        hooks.record(il, pos0, lambda: {
+            "ffn_hc_mix": mix, "ffn_hc_split": hc_split_row(pre, post, comb),
+            "ffn_x": x, "ffn_post": post, "ffn_comb": comb, "ffn_norm": f,
+            "router": route, "exp_ids": ids, "exp_weights": weights,
+            "q8k.ffn_gate_up_exps": routed.xq, "exp_mid": routed.mid,
+            "q8k.ffn_down_exps": routed.midq, "moe_out": routed.out,
+            "q8.ffn_gate_shexp": shared.xq, "shared_gate": shared.gate,
+            "shared_up": shared.up, "shared_mid": shared.mid,
+            "q8.ffn_down_shexp": shared.midq, "shared_out": shared.out,
+            "ffn_out": y, "hc_out": out}, n=len(X))
         return out
+
+
+def hc_split_row(pre, post, comb):
+    """The HC split of T tokens as ds4.c's dump holds it: [pre | post | comb],
+    [T, 24]."""
+    return xp_of(pre).concatenate([pre, post, comb.reshape(len(pre), -1)], axis=-1)

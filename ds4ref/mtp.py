@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ds4ref.backend import NUMPY
 from ds4ref.ggml_types import GGMLType
 from ds4ref.gguf import GGUFError, GGUFFile
 from ds4ref.hc import hc_from_plain_embedding
@@ -17,6 +16,7 @@ from ds4ref.kvcache import LayerCache
 from ds4ref.model import Block, embed_token, output_logits
 from ds4ref.norms import rms_norm_weight
 from ds4ref.sample import sample_argmax
+from ds4ref.trace import NO_HOOKS
 from ds4ref.weights import LayerWeights, Tensor, TensorSpec, check_tensor, tensor_specs
 
 T = GGMLType
@@ -106,7 +106,7 @@ def load_mtp(path, cfg) -> MTPWeights:
         raise
 
 
-def mtp_input_hc(cfg, w, mtp: MTPWeights, token: int, prev_hc, be=NUMPY) -> np.ndarray:
+def mtp_input_hc(cfg, w, mtp: MTPWeights, token: int, prev_hc, be) -> np.ndarray:
     """The block's input [n_hc, n_embd]: e_proj(enorm(emb(token))) + h_proj(hnorm(H)).
 
     prev_hc = H [n_hc, n_embd]: the target's final HC state, or the previous draft's
@@ -121,7 +121,7 @@ def mtp_input_hc(cfg, w, mtp: MTPWeights, token: int, prev_hc, be=NUMPY) -> np.n
     return (ep[None, :] + hp).astype(np.float32)
 
 
-def mtp_output_logits(cfg, w, mtp: MTPWeights, X, be=NUMPY) -> np.ndarray:
+def mtp_output_logits(cfg, w, mtp: MTPWeights, X, be) -> np.ndarray:
     """Logits [n_vocab] of the MTP head: own HC collapse and norm, the target's output.
 
     Mirrors ds4.c: metal_graph_encode_output_head_mtp (l. 10154)"""
@@ -129,11 +129,11 @@ def mtp_output_logits(cfg, w, mtp: MTPWeights, X, be=NUMPY) -> np.ndarray:
                            output_hc_scale=mtp.hc_head_scale,
                            output_hc_base=mtp.hc_head_base, output_norm=mtp.norm,
                            output=w.output)
-    return output_logits(cfg, head, X, be)
+    return output_logits(cfg, head, X, be)[0]
 
 
 def mtp_draft_step(cfg, w, mtp: MTPWeights, cache: LayerCache, token: int, pos: int,
-                   prev_hc, be=NUMPY, block=None) -> tuple[np.ndarray, np.ndarray]:
+                   prev_hc, be, block=None) -> tuple[np.ndarray, np.ndarray]:
     """One draft: (logits [n_vocab] for position pos + 1, block output [n_hc, n_embd]).
 
     The block is a full decode layer (chapter 8's Block, placed once by the caller, or
@@ -145,12 +145,12 @@ def mtp_draft_step(cfg, w, mtp: MTPWeights, cache: LayerCache, token: int, pos: 
     return mtp_output_logits(cfg, w, mtp, X, be), X
 
 
-def forward_rows(model, cache, tokens, pos0: int):
+def forward_rows(model, cache, tokens, pos0: int, hooks=NO_HOOKS):
     """Logits [T, n_vocab] and final HC states [T, n_hc, n_embd] of T tokens at pos0..
     on a live cache: chapter 8's model, one layer-major pass. The verifier.
     Mirrors ds4.c: prefill_layer_major_cpu (l. 7763), started at pos0 instead of 0"""
-    Xs = model.hidden(tokens, cache, pos0)
-    logits = [model.logits(X, pos0 + t) for t, X in enumerate(Xs)]
+    Xs = model.hidden(tokens, cache, pos0, hooks=hooks)
+    logits = [model.logits(X, pos0 + t, hooks) for t, X in enumerate(Xs)]
     return np.stack([model.be.download(lg) for lg in logits]), Xs
 
 
@@ -158,7 +158,7 @@ def forward_rows(model, cache, tokens, pos0: int):
 BATCH_IS_DECODE = ("numpy",)
 
 
-def decode_rows(model, cache, tokens, pos0: int, stop=None):
+def decode_rows(model, cache, tokens, pos0: int, hooks=NO_HOOKS, stop=None):
     """forward_rows a token at a time: logits [T, n_vocab], final HC states
     [T, n_hc, n_embd]; stop(i, logits_i) -> True ends it after token i.
 
@@ -167,7 +167,7 @@ def decode_rows(model, cache, tokens, pos0: int, stop=None):
     Mirrors ds4.c: forward_token_raw_swa_cpu_decode_scratch (l. 7703), in a loop"""
     logits, states = [], []
     for i, t in enumerate(tokens):
-        lg, X = forward_rows(model, cache, [int(t)], pos0 + i)
+        lg, X = forward_rows(model, cache, [int(t)], pos0 + i, hooks)
         logits.append(lg[0])
         states.append(X[0])
         if stop is not None and stop(i, logits[-1]):
@@ -235,9 +235,7 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
     if e.mtp is None or e.mtp_draft_tokens <= 1:
         s.eval(int(first_token))
         return [int(first_token)]
-    be, w, model = e.backend, e.weights, e.model
-    model.hooks.trace, model.hooks.force = s.trace, s.force
-    model.hooks.steering = e.steering
+    be, w, model, hooks = e.backend, e.weights, e.model, s.hooks()
     out = []
 
     def commit(tokens, logits):
@@ -250,7 +248,7 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
 
     def go():
         P = s.pos
-        logits, hc = rows_of(model, s._cache, [first_token], P)
+        logits, hc = rows_of(model, s._cache, [first_token], P, hooks)
         commit([first_token], logits[0])
         if first_token == eos_token or max_tokens == 1:
             return
@@ -273,24 +271,24 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
             if drafts[-1] == eos_token:
                 break
         if len(drafts) == 1 or (len(drafts) == 2 and _top2_margin(mlog) < e.mtp_margin):
-            rows, _ = rows_of(model, s._cache, drafts[:1], P + 1)
+            rows, _ = rows_of(model, s._cache, drafts[:1], P + 1, hooks)
             commit(drafts[:1], rows[0])                    # a plain decode of draft 0
             st.keep(P + 2)
             return
         if not exact:  # decode the drafts, stop after the first miss
-            rows, _ = decode_rows(model, s._cache, drafts, P + 1,
+            rows, _ = decode_rows(model, s._cache, drafts, P + 1, hooks,
                                   stop=lambda i, lg: i + 1 < len(drafts)
                                   and sample_argmax(lg) != drafts[i + 1])
             n = len(rows)
         else:
             snap = s._cache.copy()
-            rows, _ = forward_rows(model, s._cache, drafts, P + 1)        # [k, V]
+            rows, _ = forward_rows(model, s._cache, drafts, P + 1, hooks)  # [k, V]
             n = 1
             while n < len(drafts) and sample_argmax(rows[n - 1]) == drafts[n]:
                 n += 1
             if n < len(drafts):                         # rewind, re-run the kept prefix
                 s._cache = snap
-                rows, _ = forward_rows(model, s._cache, drafts[:n], P + 1)
+                rows, _ = forward_rows(model, s._cache, drafts[:n], P + 1, hooks)
         commit(drafts[:n], rows[n - 1])
         st.keep(P + 1 + n)
     s._run(go)

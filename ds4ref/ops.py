@@ -85,8 +85,8 @@ from ds4ref.gguf import DS4RefError  # noqa: E402
 
 
 class MoEError(DS4RefError, ValueError):
-    """Bad input to the MoE: a token or expert id out of range, a missing routing
-    tensor, a wrong shape."""
+    """Bad input to the MoE: an expert id out of range (in a hash table or given to an
+    expert kernel), a wrong shape."""
 
 
 def silu(x):
@@ -151,37 +151,6 @@ def _check_slots(w3, ids, what):
     return ids
 
 
-def experts_gate_up(w_gate3, w_up3, ids, a, pair_matvec=matvec_iq2_xxs_pair_q8_K):
-    """gate, up float32 [k, n_ff]: expert ids[s]'s IQ2_XXS gate and up rows on the one
-    Q8_K activation a, each pair by pair_matvec (a backend's matvec_iq2_xxs_pair_q8_K).
-    Mirrors ds4.c: matvec_iq2_xxs_expert_pair_prequant (l. 3847)"""
-    ids = _check_slots(w_gate3, ids, "routed experts")
-    rows = int(w_gate3.shape[1])
-    gate = np.empty((len(ids), rows), np.float32)
-    up = np.empty_like(gate)
-    for s, e in enumerate(ids):  # slot order, as ds4.c
-        gate[s], up[s] = pair_matvec(w_gate3.expert(int(e)), w_up3.expert(int(e)), a)
-    return gate, up
-
-
-def experts_down(w_down3, ids, a, matvec=matvec_q2_K_q8_K):
-    """down float32 [k, n_embd]: expert ids[s]'s Q2_K down rows on Q8_K activation row s
-    of a, each by matvec (a backend's matvec_q2_K_q8_K).
-    Mirrors ds4.c: the per-expert loop of layer_routed_moe_one (l. 5361)"""
-    ids = _check_slots(w_down3, ids, "routed experts")
-    if np.shape(a.qs)[0] != len(ids):
-        raise MoEError(
-            f"experts_down: {len(ids)} experts but {np.shape(a.qs)[0]} "
-            "activation rows"
-        )
-    return np.stack(
-        [
-            matvec(w_down3.expert(int(e)), q8k_rows(a, s))
-            for s, e in enumerate(ids)
-        ]
-    )
-
-
 def _batch_slots(w3, sel) -> np.ndarray:
     """sel as int array [T, k] of valid experts of the 3-D tensor w3."""
     sel = np.asarray(sel)
@@ -212,8 +181,7 @@ def _pairs_by_expert(sel):
         yield int(e), p // k, p % k
 
 
-def experts_gate_up_batch(w_gate3, w_up3, sel, xq,
-                          pair_matvec=matvec_iq2_xxs_pair_q8_K):
+def experts_gate_up(w_gate3, w_up3, sel, xq, pair_matvec=matvec_iq2_xxs_pair_q8_K):
     """gate, up float32 [T, k, n_ff]: the gate and up rows of expert sel[t, s] on token
     t's Q8_K activation (xq [T, n]) for every pair, each active expert's pair_matvec run
     once on all its tokens.
@@ -227,12 +195,15 @@ def experts_gate_up_batch(w_gate3, w_up3, sel, xq,
     return gate, up
 
 
-def experts_down_batch(w_down3, sel, midq, matvec=matvec_q2_K_q8_K):
+def experts_down(w_down3, sel, midq, matvec=matvec_q2_K_q8_K):
     """down float32 [T, k, n_embd]: expert sel[t, s]'s down rows on the pair's own
     Q8_K row of midq [T, k, n_ff], each active expert's matvec run once on all its
     pairs.
     Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its down pass"""
     sel = _batch_slots(w_down3, sel)
+    if tuple(np.shape(midq.qs)[:2]) != sel.shape:
+        raise MoEError(f"experts_down: expert ids {list(sel.shape)} for activation "
+                       f"rows {list(np.shape(midq.qs)[:2])}")
     down = np.empty(sel.shape + (int(w_down3.shape[1]),), np.float32)
     for e, t, s in _pairs_by_expert(sel):
         down[t, s] = matvec(w_down3.expert(e), q8k_rows(midq, (t, s)))

@@ -22,15 +22,13 @@ from ds4ref.session_state import (  # noqa: F401
     _flatten,
     _unflatten,
 )
-from ds4ref.trace import NO_TRACE, Trace
+from ds4ref.trace import NO_TRACE, Hooks, Trace, check_decisions
 
 
-class Session:
-    """One conversation: KV cache + token checkpoint + last logits, with ds4.c's sync
-    policy.
-
-    Mirrors ds4.c: struct ds4_session (l. 15716)
-    """
+class SessionBase:
+    """A session's state and its bookkeeping: the checks of its arguments, the token
+    checkpoint and logits, snapshots and session files, and the readers of the logits;
+    Session (below) adds the computing methods."""
 
     def __init__(
         self, engine, ctx_size: int = 1024, force_decisions: dict | None = None
@@ -47,6 +45,7 @@ class Session:
                 f"ctx_size {ctx_size}: the KV cache would take {need / 2**30:.1f} GiB "
                 f"(limit {MAX_CACHE_BYTES / 2**30:.0f} GiB, MAX_CACHE_BYTES)"
             )
+        check_decisions(engine.cfg, force_decisions)
         self.engine, self.cfg = engine, engine.cfg
         self.ctx_size = int(ctx_size)
         self.force = force_decisions
@@ -54,7 +53,6 @@ class Session:
         self.trace: Trace = NO_TRACE
         self._reset()
 
-    # -- state -------------------------------------------------------------------------
     def _reset(self) -> None:
         # the backend's arrays: numpy's on the host, a device's for a resident engine
         self._cache = KVCache(self.cfg, self.ctx_size, self.engine.backend.xp)
@@ -81,7 +79,6 @@ class Session:
         v.flags.writeable = False
         return v
 
-    # -- checks ------------------------------------------------------------------------
     def _check_tokens(self, tokens) -> list[int]:
         arr = np.asarray(tokens)
         if arr.ndim != 1:
@@ -107,6 +104,11 @@ class Session:
             )
         return [int(t) for t in arr]
 
+    def hooks(self) -> Hooks:
+        """What this session's calls carry beside their tokens (chapter 6's Hooks): its
+        trace, its recorded decisions and the engine's steering, built per call."""
+        return Hooks(self.trace, self.force, self.engine.steering)
+
     def _run(self, fn):
         try:
             return fn()
@@ -116,7 +118,6 @@ class Session:
             self._tokens, self._logits = [], None
             raise
 
-    # -- the API -----------------------------------------------------------------------
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the common prefix of the checkpoint and `tokens`.
 
@@ -128,93 +129,6 @@ class Session:
                 break
             n += 1
         return n
-
-    def sync(
-        self, tokens: Sequence[int], progress: Callable[[int, int], None] | None = None
-    ) -> int:
-        """Bring the session to exactly `tokens`; returns how many tokens were computed.
-
-        An extension of the checkpoint is decoded token by token; anything else is
-        rebuilt by a layer-major batch prefill (ds4.c's CPU policy). `progress(done,
-        total)` is called per layer of a prefill and per token of an extension.
-        Mirrors ds4.c: ds4_session_sync (l. 17416)
-        """
-        toks = self._check_tokens(tokens)
-        live = self.tokens
-        if self._valid and len(toks) >= len(live) and toks[:len(live)] == live:
-            new = toks[len(live):]
-            for i, t in enumerate(new):
-                self._eval_unchecked(t)
-                if progress is not None:
-                    progress(i + 1, len(new))
-            return len(new)
-        return self._rebuild(toks, progress)
-
-    def _rebuild(self, toks: list[int], progress=None) -> int:
-        self._reset()
-
-        def go():
-            self._logits = self._forward(toks, 0, progress)
-            self._tokens, self._valid = list(toks), True
-        self._run(go)
-        return len(toks)
-
-    def _eval_unchecked(self, token: int) -> None:
-        def go():
-            self._logits = self._forward([token], self.pos)
-            self._tokens.append(token)
-            self._valid = True
-        self._run(go)
-
-    def _forward(self, tokens, pos0: int, progress=None) -> np.ndarray:
-        """The engine's model on tokens at pos0.. with this session's trace and
-        decisions: the last logits, on the host (a prompt from 0: ds4.c's prefill)."""
-        model = self.engine.model
-        model.hooks.trace, model.hooks.force = self.trace, self.force
-        model.hooks.steering = self.engine.steering
-        if pos0 == 0:
-            logits = model.prefill(tokens, self._cache, progress)
-        else:
-            logits = model(tokens, self._cache, pos0, progress)
-        return np.asarray(self.engine.backend.download(logits), np.float32)
-
-    def eval(self, token: int) -> np.ndarray:
-        """Decode one more token at position `pos`; returns the new logits.
-
-        Mirrors ds4.c: ds4_session_eval (l. 17779)
-        """
-        if isinstance(token, (bool, np.bool_)) or not isinstance(
-            token, (int, np.integer)
-        ):
-            raise TokenRangeError(f"token: expected an integer id, got {token!r}")
-        if not 0 <= token < self.cfg.n_vocab:
-            raise TokenRangeError(
-                f"token {token}: out of range [0, {self.cfg.n_vocab})"
-            )
-        if self.pos + 1 >= self.ctx_size:
-            raise ContextOverflowError(
-                f"eval: position {self.pos} would fill ctx_size {self.ctx_size} (a "
-                f"session holds at most {self.ctx_size - 1} tokens)"
-            )
-        self._eval_unchecked(int(token))
-        return self.logits
-
-    def rewind(self, pos: int) -> None:
-        """Keep only the first `pos` tokens; the state becomes that of a fresh sync to
-        them.
-
-        Mirrors ds4.c: ds4_session_rewind (l. 18391), made exact by rebuilding the cache
-        """
-        if int(pos) != pos or not 0 <= pos <= self.pos:
-            raise SessionError(
-                f"rewind: pos must be an integer in [0, {self.pos}], got {pos}"
-            )
-        if pos == self.pos:
-            return
-        if pos == 0:
-            self._reset()
-            return
-        self._rebuild(self._tokens[:pos])
 
     def snapshot(self) -> Snapshot:
         """A deep copy of the session's state, for restore() or save()."""
@@ -305,7 +219,6 @@ class Session:
         self._logits = logits if logits.size else None
         self._valid = bool(tokens)
 
-    # -- reading the logits ------------------------------------------------------------
     def argmax(self) -> int:
         """Greedy next token (first maximum).
         Mirrors ds4.c: ds4_session_argmax (l. 17620)"""
@@ -388,3 +301,98 @@ class Session:
         return [
             (int(i), float(v[i]), float(np.float32(float(v[i]) - logsum))) for i in ids
         ]
+
+
+class Session(SessionBase):
+    """One conversation: KV cache + token checkpoint + last logits, with ds4.c's sync
+    policy.
+
+    Mirrors ds4.c: struct ds4_session (l. 15716)
+    """
+
+    def sync(
+        self, tokens: Sequence[int], progress: Callable[[int, int], None] | None = None
+    ) -> int:
+        """Bring the session to exactly `tokens`; returns how many tokens were computed.
+
+        An extension of the checkpoint is decoded token by token; anything else is
+        rebuilt by a layer-major batch prefill (ds4.c's CPU policy). `progress(done,
+        total)` is called per layer of a prefill and per token of an extension.
+        Mirrors ds4.c: ds4_session_sync (l. 17416)
+        """
+        toks = self._check_tokens(tokens)
+        live = self.tokens
+        if self._valid and len(toks) >= len(live) and toks[:len(live)] == live:
+            new = toks[len(live):]
+            for i, t in enumerate(new):
+                self._eval_unchecked(t)
+                if progress is not None:
+                    progress(i + 1, len(new))
+            return len(new)
+        return self._rebuild(toks, progress)
+
+    def _rebuild(self, toks: list[int], progress=None) -> int:
+        """A fresh cache, then toks batch-prefilled from position 0."""
+        self._reset()
+
+        def go():
+            self._logits = self._forward(toks, 0, progress)
+            self._tokens, self._valid = list(toks), True
+        self._run(go)
+        return len(toks)
+
+    def _eval_unchecked(self, token: int) -> None:
+        """Decode one checked token at position pos."""
+        def go():
+            self._logits = self._forward([token], self.pos)
+            self._tokens.append(token)
+            self._valid = True
+        self._run(go)
+
+    def _forward(self, tokens, pos0: int, progress=None) -> np.ndarray:
+        """The engine's model on tokens at pos0.. with this session's hooks: the last
+        logits, on the host (a prompt from 0: ds4.c's prefill)."""
+        model, hooks = self.engine.model, self.hooks()
+        if pos0 == 0:
+            logits = model.prefill(tokens, self._cache, progress, hooks)
+        else:
+            logits = model(tokens, self._cache, pos0, progress, hooks)
+        return np.asarray(self.engine.backend.download(logits), np.float32)
+
+    def eval(self, token: int) -> np.ndarray:
+        """Decode one more token at position `pos`; returns the new logits.
+
+        Mirrors ds4.c: ds4_session_eval (l. 17779)
+        """
+        if isinstance(token, (bool, np.bool_)) or not isinstance(
+            token, (int, np.integer)
+        ):
+            raise TokenRangeError(f"token: expected an integer id, got {token!r}")
+        if not 0 <= token < self.cfg.n_vocab:
+            raise TokenRangeError(
+                f"token {token}: out of range [0, {self.cfg.n_vocab})"
+            )
+        if self.pos + 1 >= self.ctx_size:
+            raise ContextOverflowError(
+                f"eval: position {self.pos} would fill ctx_size {self.ctx_size} (a "
+                f"session holds at most {self.ctx_size - 1} tokens)"
+            )
+        self._eval_unchecked(int(token))
+        return self.logits
+
+    def rewind(self, pos: int) -> None:
+        """Keep only the first `pos` tokens; the state becomes that of a fresh sync to
+        them.
+
+        Mirrors ds4.c: ds4_session_rewind (l. 18391), made exact by rebuilding the cache
+        """
+        if int(pos) != pos or not 0 <= pos <= self.pos:
+            raise SessionError(
+                f"rewind: pos must be an integer in [0, {self.pos}], got {pos}"
+            )
+        if pos == self.pos:
+            return
+        if pos == 0:
+            self._reset()
+            return
+        self._rebuild(self._tokens[:pos])

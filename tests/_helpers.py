@@ -45,7 +45,7 @@ def attention_one(cfg, lw, cache, X, pos, be=None, trace=None, force_indexer=Non
     trace(name, value) gets ds4.c's names, force_indexer the recorded rows."""
     from ds4ref.attention_layer import Attention
     from ds4ref.backend import NUMPY
-    return _run_sublayer(lambda h: Attention(cfg, lw, be or NUMPY, h)(X[None], cache, pos)[0],
+    return _run_sublayer(lambda h: Attention(cfg, lw, be or NUMPY)(X[None], cache, pos, h)[0],
                          lw.il, pos, 1, trace, "indexer", force_indexer, True)
 
 
@@ -53,7 +53,7 @@ def attention_batch(cfg, lw, cache, Xs, pos0, be=None, trace=None, force_indexer
     """Attention on the T tokens Xs [T, n_hc, n_embd] at pos0..; trace names P{pos}.name."""
     from ds4ref.attention_layer import Attention
     from ds4ref.backend import NUMPY
-    return _run_sublayer(lambda h: Attention(cfg, lw, be or NUMPY, h)(Xs, cache, pos0),
+    return _run_sublayer(lambda h: Attention(cfg, lw, be or NUMPY)(Xs, cache, pos0, h),
                          lw.il, pos0, len(Xs), trace, "indexer", force_indexer, False)
 
 
@@ -62,8 +62,8 @@ def ffn_one(cfg, lw, X, token, be=None, trace=None, force_experts=None, pos=0):
     import numpy as np
     from ds4ref.backend import NUMPY
     from ds4ref.moe import MoE
-    return _run_sublayer(lambda h: MoE(cfg, lw, be or NUMPY, h)(X[None], np.array([token]),
-                                                                 pos)[0],
+    return _run_sublayer(lambda h: MoE(cfg, lw, be or NUMPY)(X[None], np.array([token]),
+                                                              pos, h)[0],
                          lw.il, pos, 1, trace, "experts", force_experts, True)
 
 
@@ -72,24 +72,29 @@ def ffn_batch(cfg, lw, Xs, tokens, be=None, trace=None, force_experts=None, pos0
     import numpy as np
     from ds4ref.backend import NUMPY
     from ds4ref.moe import MoE
-    return _run_sublayer(lambda h: MoE(cfg, lw, be or NUMPY, h)(Xs, np.asarray(tokens), pos0),
+    return _run_sublayer(lambda h: MoE(cfg, lw, be or NUMPY)(Xs, np.asarray(tokens), pos0, h),
                          lw.il, pos0, len(Xs), trace, "experts", force_experts, False)
 
 
-def routed_one(cfg, lw, f, token, be=None, trace=None, force_experts=None):
-    """Chapter 7's routed_moe on one token: f [n_embd] -> moe_out [n_embd]; the trace
-    gets each value without its token axis."""
+def routed_one(cfg, lw, f, token, be=None, trace=None):
+    """Chapter 7's routing and routed experts on one token: f [n_embd] -> moe_out [n_embd];
+    trace(name, value) gets the router's and the experts' values by ds4.c's names."""
     import numpy as np
     from ds4ref.backend import NUMPY
-    from ds4ref.moe import routed_moe
-    from ds4ref.trace import NO_TRACE
-
-    def one(name, v):
-        v = np.asarray(v)
-        trace(name, v[0] if v.ndim and v.shape[0] == 1 else v)
-    force = None if force_experts is None else np.asarray(force_experts)[None]
-    return routed_moe(cfg, lw, np.asarray(f, np.float32)[None], np.array([token]),
-                      be or NUMPY, NO_TRACE if trace is None else one, force)[0]
+    from ds4ref.moe import routed_moe, router_weights, select_experts
+    from ds4ref.trace import named_values
+    be = be or NUMPY
+    w, f = be.place_layer(lw), np.asarray(f, np.float32)[None]
+    route, ids = select_experts(cfg, w, f, np.array([token]), be)
+    weights = router_weights(route.probs, ids, cfg)
+    r = routed_moe(cfg, w, f, ids, weights, be)
+    if trace is not None:
+        values = {"router": route, "exp_ids": ids, "exp_weights": weights,
+                  "q8k.ffn_gate_up_exps": r.xq, "exp_mid": r.mid, "q8k.ffn_down_exps": r.midq,
+                  "moe_out": r.out}
+        for name, v in named_values(values):
+            trace(name, be.download(v)[0])
+    return be.download(r.out)[0]
 
 
 def one_token(a):

@@ -43,7 +43,7 @@ def test_layer_q_projection_matches_ds4c_oracle(ops_A, model, positions):
     cfg, W = model
     worst = 0.0
     for l, p, k in cases(cfg, positions):
-        q, qr_norm = layer_q_projection(cfg, W.layers[l], ops_A[k + "attn_norm"])
+        q, qr_norm = layer_q_projection(cfg, W.layers[l], ops_A[k + "attn_norm"], NUMPY)
         assert q.shape == (cfg.n_head, cfg.head_dim) and qr_norm.shape == (cfg.n_lora_q,)
         worst = max(worst, rel(q, ops_A[k + "q_normed"]), rel(qr_norm, ops_A[k + "qr_norm"]))
     assert worst <= 1e-6, worst
@@ -51,7 +51,7 @@ def test_layer_q_projection_matches_ds4c_oracle(ops_A, model, positions):
 
 def test_layer_kv_projection_matches_ds4c_oracle(ops_A, model, positions):
     cfg, W = model
-    worst = max(rel(layer_kv_projection(cfg, W.layers[l], ops_A[k + "attn_norm"]), ops_A[k + "kv_normed"])
+    worst = max(rel(layer_kv_projection(cfg, W.layers[l], ops_A[k + "attn_norm"], NUMPY), ops_A[k + "kv_normed"])
                 for l, p, k in cases(cfg, positions))
     assert worst <= 1e-6, worst
 
@@ -59,12 +59,12 @@ def test_layer_kv_projection_matches_ds4c_oracle(ops_A, model, positions):
 def test_q_projection_batched_equals_per_token(ops_A, model, positions):
     cfg, W = model
     A = np.stack([ops_A[f"L4.P{p}.attn_norm"] for p in positions])
-    qb, qrb = layer_q_projection(cfg, W.layers[4], A)
-    kvb = layer_kv_projection(cfg, W.layers[4], A)
+    qb, qrb = layer_q_projection(cfg, W.layers[4], A, NUMPY)
+    kvb = layer_kv_projection(cfg, W.layers[4], A, NUMPY)
     for i in range(len(positions)):
-        q, qr = layer_q_projection(cfg, W.layers[4], A[i])
+        q, qr = layer_q_projection(cfg, W.layers[4], A[i], NUMPY)
         assert rel(qb[i], q) <= 1e-6 and rel(qrb[i], qr) <= 1e-6
-        assert rel(kvb[i], layer_kv_projection(cfg, W.layers[4], A[i])) <= 1e-6
+        assert rel(kvb[i], layer_kv_projection(cfg, W.layers[4], A[i], NUMPY)) <= 1e-6
 
 
 # ---------------------------------------------------------------- RoPE
@@ -264,8 +264,8 @@ def test_grouped_output_matches_ds4c_oracle(ops_A, model, positions):
     worst_low = worst_out = 0.0
     for l, p, k in cases(cfg, positions):
         Lw = W.layers[l]
-        worst_low = max(worst_low, rel(grouped_out_low(ops_A[k + "heads_unrope"], Lw.attn_output_a, cfg), ops_A[k + "attn_low"]))
-        out = layer_grouped_out(ops_A[k + "heads_unrope"], Lw.attn_output_a, Lw.attn_output_b, cfg)
+        worst_low = max(worst_low, rel(grouped_out_low(ops_A[k + "heads_unrope"], Lw.attn_output_a, cfg, NUMPY), ops_A[k + "attn_low"]))
+        out = layer_grouped_out(ops_A[k + "heads_unrope"], Lw.attn_output_a, Lw.attn_output_b, cfg, NUMPY)
         assert out.shape == (cfg.n_embd,)
         worst_out = max(worst_out, rel(out, ops_A[k + "attn_out"]))
     assert worst_low <= 1e-6 and worst_out <= 1e-6, (worst_low, worst_out)
@@ -278,7 +278,7 @@ def test_grouped_output_uses_each_groups_own_rows(model):
     heads = np.zeros((cfg.n_head, cfg.head_dim), np.float32)
     hpg = cfg.n_head // cfg.n_out_group
     heads[hpg:2 * hpg] = np.random.default_rng(2).standard_normal((hpg, cfg.head_dim))
-    low = grouped_out_low(heads, W.layers[0].attn_output_a, cfg)
+    low = grouped_out_low(heads, W.layers[0].attn_output_a, cfg, NUMPY)
     assert np.all(low[[0, 2, 3]] == 0) and np.any(low[1] != 0)
     rows = W.layers[0].attn_output_a.data[cfg.n_lora_o:2 * cfg.n_lora_o]
     assert np.array_equal(low[1], NUMPY.matvec_q8_0(rows, heads[hpg:2 * hpg].reshape(-1)))
@@ -288,6 +288,6 @@ def test_grouped_output_batched_equals_per_token(ops_A, model, positions):
     cfg, W = model
     H = np.stack([ops_A[f"L5.P{p}.heads_unrope"] for p in positions])
     Lw = W.layers[5]
-    out = layer_grouped_out(H, Lw.attn_output_a, Lw.attn_output_b, cfg)
+    out = layer_grouped_out(H, Lw.attn_output_a, Lw.attn_output_b, cfg, NUMPY)
     for i in range(len(positions)):
-        assert rel(out[i], layer_grouped_out(H[i], Lw.attn_output_a, Lw.attn_output_b, cfg)) <= 1e-6
+        assert rel(out[i], layer_grouped_out(H[i], Lw.attn_output_a, Lw.attn_output_b, cfg, NUMPY)) <= 1e-6

@@ -390,11 +390,13 @@ def test_numba_long_stream_with_forced_decisions_case_A(oracle_gguf, golden_A):
 # cupy), and on a CUDA GPU (skipped without one; run by tools/gpu_check.sh)
 
 def cupy_backend(where: str):
+    """The CuPy backend with the layer kernels off the engine's path (dev.cupy_layer_ops), on a GPU or on the
+    kernels' source compiled for the CPU."""
+    from ds4ref.dev.cupy_layer_ops import CupyLayerOps
     if where == "gpu":
-        return get_backend("cupy", strict=True)
-    from ds4ref.backends.cupy_backend import CupyBackend
+        return CupyLayerOps().strict()
     from ds4ref.dev.cuda_on_cpu import source_standin
-    return CupyBackend(cp=source_standin()).strict()
+    return CupyLayerOps(cp=source_standin()).strict()
 
 
 @pytest.fixture(scope="module", params=["cuda-on-cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -577,8 +579,8 @@ def fake_cupy(monkeypatch):
 
 
 def test_cupy_glue_launches_every_kernel_with_the_signature_of_its_source(fake_cupy, model, ops_A):
-    from ds4ref.backends.cupy_backend import CupyBackend
-    be = CupyBackend().strict()
+    from ds4ref.dev.cupy_layer_ops import CupyLayerOps
+    be = CupyLayerOps().strict()
     cfg, W = model
     L, K = W.layers[4], "L4.P131."
     ids, wts = ops_A[K + "exp_ids"], ops_A[K + "exp_weights"]

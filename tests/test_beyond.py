@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ds4ref.backend import NUMPY
 from ds4ref.config import ModelConfig
 from ds4ref.engine import Engine
 from ds4ref.session import SessionError, TokenRangeError
@@ -302,13 +303,13 @@ def test_mtp_step_against_float64(oracle_dir):
     norm = lambda x, g: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_eps) * f64(g)
     e = w.token_embd.data[42].view(np.float16).astype(np.float64)
     want = (f64(m.e_proj) @ norm(e, m.enorm))[None] + norm(hc.astype(np.float64), m.hnorm) @ f64(m.h_proj).T
-    got = mtp_input_hc(cfg, w, m, 42, hc)
+    got = mtp_input_hc(cfg, w, m, 42, hc, NUMPY)
     assert np.abs(got - want).max() / np.abs(want).max() < 2e-2
     flat = hc.reshape(-1).astype(np.float64)
     mix = f64(m.hc_head_fn) @ (flat / np.sqrt((flat * flat).mean() + cfg.rms_eps))
     wts = 1 / (1 + np.exp(-(mix * f64(m.hc_head_scale)[0] + f64(m.hc_head_base)))) + cfg.hc_eps
     logits = f64(w.output) @ norm((wts[:, None] * hc).sum(0), m.norm)
-    ours = mtp_output_logits(cfg, w, m, hc)
+    ours = mtp_output_logits(cfg, w, m, hc, NUMPY)
     assert np.abs(ours - logits).max() / np.abs(logits).max() < 2e-2
 
 
@@ -325,8 +326,8 @@ def test_forward_rows_equal_forward_token():
     cfg, w = eng.cfg, eng.weights
     a, b = KVCache(cfg, 64), KVCache(cfg, 64)
     toks = [0, 5, 17, 200, 33, 33, 90, 1, 250, 7, 8, 9, 10]
-    one = np.stack([forward_token(cfg, w, a, t, p) for p, t in enumerate(toks)])
-    m = Model(cfg, w)                                   # numpy's, as forward_token
+    one = np.stack([forward_token(cfg, w, a, t, p, NUMPY) for p, t in enumerate(toks)])
+    m = Model(cfg, w, NUMPY)                                   # numpy's, as forward_token
     rows = np.concatenate([forward_rows(m, b, toks[:4], 0)[0], forward_rows(m, b, toks[4:9], 4)[0],
                            forward_rows(m, b, toks[9:], 9)[0]])
     assert np.array_equal(one, rows)
@@ -501,7 +502,7 @@ def _ds4ref_mtp_steps(rec):
     assert int(rec["writer_version"]) == WRITER_VERSION
     eng = _synthetic_engine()
     cache = LayerCache(eng.cfg, MTP_IL, 64)
-    out = [mtp_draft_step(eng.cfg, eng.weights, eng.mtp, cache, int(t), int(p), h)
+    out = [mtp_draft_step(eng.cfg, eng.weights, eng.mtp, cache, int(t), int(p), h, NUMPY)
            for t, p, h in zip(rec["tokens"], rec["pos"], rec["h_in"])]
     return eng, np.stack([o[0] for o in out]), np.stack([o[1] for o in out])
 
@@ -550,16 +551,16 @@ def test_mtp_stages_against_llama_cpp():
     cfg, w, m = eng.cfg, eng.weights, eng.mtp
     s = {k[6:]: rec[k] for k in rec.files if k.startswith("stage_")}
     tok, h = int(rec["tokens"][0]), rec["h_in"][0]
-    assert rel(mtp_input_hc(cfg, w, m, tok, h), s["input"]) < 1e-3
+    assert rel(mtp_input_hc(cfg, w, m, tok, h, NUMPY), s["input"]) < 1e-3
     b = m.block
-    x, _, _ = hc_pre(s["input"], b.hc_attn_fn, b.hc_attn_scale, b.hc_attn_base, cfg)
+    x, _, _ = hc_pre(s["input"], b.hc_attn_fn, b.hc_attn_scale, b.hc_attn_base, cfg, NUMPY)
     assert rel(x, s["attn_x"]) < 1e-3
     q, kv, sinks = s["q_rope"], s["kv_rope"], m.block.attn_sinks
     assert rel(attention_rows(q, f16_round(kv)[None], sinks), s["heads"]) < 1e-3
     fp8 = rel(attention_rows(q, f16_round(fp8_kv_quantize_row(kv, cfg.n_rot))[None], sinks), s["heads"])
     assert 5e-3 < fp8 < 1e-1
     assert rel(ffn_one(cfg, m.block, s["after_attn"], tok), s["hc_out"]) < 2e-3
-    assert rel(mtp_output_logits(cfg, w, m, s["hc_out"]), s["logits"]) < 1e-3
+    assert rel(mtp_output_logits(cfg, w, m, s["hc_out"], NUMPY), s["logits"]) < 1e-3
 
 
 def test_mtp_window_keeps_rows_along_the_sessions_tokens():

@@ -14,7 +14,7 @@ from ds4ref.backends.cupy_backend import CupyBackend, CupyDevice
 from ds4ref.dev.cupy_standin import DeviceArray, StandinCupy, StandinError
 from ds4ref.dev.writer import synthetic_model_path
 from ds4ref.engine import Engine
-from ds4ref.kvcache import KVCache, KVCacheError
+from ds4ref.kvcache import KVCache
 from ds4ref.model import Model, ModelError
 from ds4ref.session import ContextOverflowError, TokenRangeError
 from ds4ref.trace import Trace
@@ -183,12 +183,15 @@ def test_bad_input_raises_named_errors_and_the_session_stays_usable(engine):
     assert s.tokens == [1, 2, 3, 4, 5, 6, 7] and np.isfinite(s.logits).all()
 
 
-def test_a_full_compressed_cache_raises(engine):
+def test_positions_past_the_cache_are_refused_before_any_row_is_written(engine):
+    """The device cache's rows never overflow: a call whose positions pass its ctx_size is refused where the
+    tokens arrive (chapter 8's check_tokens), before a row is written on the device."""
     cache = KVCache(engine.cfg, 8, engine.backend.xp)
-    full = next(c for c in cache.layers if c.ratio == 4)
-    full.n_comp = full.comp_cap
-    with pytest.raises(KVCacheError, match="full"):
-        engine.model([1, 2, 3, 4], cache)
+    engine.model([1, 2, 3, 4, 5, 6], cache)
+    before = [(c.n_raw, c.n_comp, c.n_index_comp) for c in cache.layers]
+    with pytest.raises(ModelError, match="do not fit a cache of ctx_size 8"):
+        engine.model([1, 2, 3], cache, 6)
+    assert [(c.n_raw, c.n_comp, c.n_index_comp) for c in cache.layers] == before
 
 
 def test_snapshot_restore_save_load(engine, tmp_path):

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ds4ref.backend import NUMPY
 from ds4ref.dev.oracle import (
     EXPERT_MEASURES,
     INDEXER_MEASURES,
@@ -43,7 +44,7 @@ from ds4ref.session import (
 )
 from ds4ref.engine import Engine
 from ds4ref.sample import SampleRNG, SamplingError
-from ds4ref.trace import Trace
+from ds4ref.trace import NO_TRACE, Trace
 
 LOOSE = dict(corr=0.98, mean_abs=0.3, max_abs=1.5)          # data/oracle/README.md "How to compare" 3
 DECISION_MARGIN = 1e-2                                       # README 2: above this a mismatch is a bug
@@ -271,10 +272,9 @@ def forced_state_error(engine, runs_A, ops_A):
         for p in pos:
             if f"L{il}.P{p}.idx_scores" not in ops_A.files:
                 continue
-            got = {}
-            indexer_allowed(cfg, W.layers[il], il, tr[f"L{il}.P{p}.attn_norm"], tr[f"L{il}.P{p}.qr_norm"],
-                            tr[f"L{il}.P{p}.cache_icomp"], p, trace=lambda k, v: got.__setitem__(k, v))
-            err_i = max(err_i, float(np.abs(got["idx_scores"] - ops_A[f"L{il}.P{p}.idx_scores"]).max()))
+            _, idx = indexer_allowed(cfg, W.layers[il], il, tr[f"L{il}.P{p}.attn_norm"], tr[f"L{il}.P{p}.qr_norm"],
+                                     tr[f"L{il}.P{p}.cache_icomp"], p, NUMPY)
+            err_i = max(err_i, float(np.abs(idx.scores - ops_A[f"L{il}.P{p}.idx_scores"]).max()))
             n += 1
     assert n >= 10
     print(f"forced state vs ds4 at ops_A positions: router score error {err_r:.4f}, indexer score error {err_i:.3f}")
@@ -294,8 +294,9 @@ def test_decision_logic_reproduces_ds4_choices_from_ds4_inputs(engine, ops_A):
             assert ids.tolist() == ops_A[f"L{il}.P{p}.exp_ids"].tolist(), (il, p)
         for il in (2, 4):
             if f"L{il}.P{p}.idx_selected" in ops_A.files:
-                allowed = indexer_allowed(cfg, W.layers[il], il, ops_A[f"L{il}.P{p}.attn_norm"],
-                                          ops_A[f"L{il}.P{p}.qr_norm"], ops_A[f"L{il}.P{p}.cache_icomp"], int(p))
+                allowed, _ = indexer_allowed(cfg, W.layers[il], il, ops_A[f"L{il}.P{p}.attn_norm"],
+                                             ops_A[f"L{il}.P{p}.qr_norm"], ops_A[f"L{il}.P{p}.cache_icomp"], int(p),
+                                             NUMPY)
                 assert np.flatnonzero(allowed).tolist() == sorted(ops_A[f"L{il}.P{p}.idx_selected"].tolist())
                 n_idx += 1
     assert n_idx >= 10
@@ -572,10 +573,9 @@ def test_output_head_matches_ds4c_ops(engine, ops_A):
     """Feed ds4's recorded final HC state into our output head: logits as ds4.c's."""
     from ds4ref.model import output_logits
     for p in ops_A["positions"]:
-        tr = Trace()
-        logits = output_logits(engine.cfg, engine.weights, ops_A[f"L5.P{p}.hc_out"], trace=tr.at(None, p))
-        for name in ("out_hc_mix", "out_hc_w", "out_embd", "out_norm"):
-            np.testing.assert_allclose(tr[f"P{p}.{name}"], ops_A[f"P{p}.{name}"], rtol=1e-5, atol=1e-6)
+        logits, head = output_logits(engine.cfg, engine.weights, ops_A[f"L5.P{p}.hc_out"], NUMPY)
+        for name, v in zip(("out_hc_mix", "out_hc_w", "out_embd", "out_norm"), head):
+            np.testing.assert_allclose(v, ops_A[f"P{p}.{name}"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(logits, ops_A[f"P{p}.logits"], rtol=1e-5, atol=1e-5)
 
 
@@ -715,3 +715,52 @@ def test_package_exports_engine_lazily():
     assert ds4ref.Engine is Engine and ds4ref.Trace is Trace
     with pytest.raises(AttributeError):
         ds4ref.NoSuchThing
+
+
+# --------------------------------------------------------------------- sessions of one engine from two threads
+
+def test_two_sessions_from_two_threads_give_what_they_give_one_after_the_other(oracle_gguf, oracle_dir, golden_A):
+    """A session's trace, decisions and steering travel with its calls, never on the model the engine shares: two
+    sessions of one steered engine, one replaying ds4.c's decisions with a trace and one plain, stepped in lock step
+    from two threads, give the logits and the trace each gives alone."""
+    import threading
+    from ds4ref.dev.oracle import decisions_from_golden
+    eng = Engine.open(oracle_gguf, backend="numpy", steering_file=oracle_dir / "ds4c_steering_dirs.f32",
+                      steering_attn=0.5, steering_ffn=1.0)
+    prompt = [int(t) for t in golden_A["prompt_ids"][:72]]
+    steps = [int(t) for t in golden_A["greedy_tokens"][:4]]
+    force = decisions_from_golden(golden_A, eng.cfg, "batch")
+
+    def run(forced: bool, barrier=None):
+        s = eng.session(128, force_decisions=force if forced else None)
+        s.trace = Trace(positions=range(0, 80, 5)) if forced else NO_TRACE
+        calls = [lambda: s.sync(prompt)] + [lambda t=t: s.eval(t) for t in steps]
+        rows = []
+        for call in calls:
+            if barrier is not None:
+                barrier.wait()
+            call()
+            rows.append(s.logits.copy())
+        return np.stack(rows), dict(getattr(s.trace, "data", {}))
+
+    alone = [run(True), run(False)]
+    assert not np.array_equal(alone[0][0], alone[1][0])        # the decisions (and the trace) make a difference
+    assert len(alone[0][1]) > 1000 and not alone[1][1]
+    barrier, out, errors = threading.Barrier(2), [None, None], []
+
+    def worker(i):
+        try:
+            out[i] = run(i == 0, barrier)
+        except BaseException as exc:                            # surfaced below, not lost in the thread
+            errors.append(exc)
+            barrier.abort()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (rows_alone, trace_alone), (rows_both, trace_both) in zip(alone, out):
+        assert np.array_equal(rows_alone, rows_both)
+        assert trace_alone.keys() == trace_both.keys()
+        assert all(np.array_equal(trace_alone[k], trace_both[k]) for k in trace_alone)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ds4ref.backend import NUMPY
 from ds4ref.attention import attention_scores
 from ds4ref.attention_layer import attention_mixed
 from ds4ref.compressor import (CompressorError, CompressorLane, compressor_advance_state, compressor_decode_one, compressor_norm,
@@ -132,7 +133,7 @@ def test_compressor_projections_match_ds4c(model, ops, positions):
                     continue
                 n += 1
                 kv, sc = compressor_project(ops[k + "attn_norm"], getattr(lw, pre + "_kv"),
-                                            getattr(lw, pre + "_gate"), getattr(lw, pre + "_ape"), p, r)
+                                            getattr(lw, pre + "_gate"), getattr(lw, pre + "_ape"), p, r, NUMPY)
                 worst = max(worst, rel(kv, ops[k + nm + "_kv"]), rel(sc, ops[k + nm + "_score"]))
     assert n == 17 * (2 + 2 * 2)    # every dumped position: 2 ratio-128 layers x 1 lane + 2 ratio-4 layers x 2 lanes
     assert worst <= 1e-5, worst
@@ -173,14 +174,13 @@ def test_compressor_decode_one_reproduces_ds4c_emissions(model, ops, positions):
                 if k + nm + "_state_kv" not in ops:
                     continue
                 skv, ssc = ops[k + nm + "_state_kv"].copy(), ops[k + nm + "_state_score"].copy()
-                rec, n = {}, n + 1
+                n += 1
                 lane = CompressorLane("attn" if nm == "comp" else "index", getattr(lw, pre + "_kv"),
                                       getattr(lw, pre + "_gate"), getattr(lw, pre + "_ape"),
                                       getattr(lw, pre + "_norm"), skv, ssc)
-                row = compressor_decode_one(cfg, il, lane, ops[k + "attn_norm"], p,
-                                            trace=lambda n, v: rec.__setitem__(n, v))
-                assert rel(row, ops[k + nm + "_row"]) <= 1e-5
-                assert rel(rec[nm + "_pooled"], ops[k + nm + "_pooled"]) <= 1e-5
+                c = compressor_decode_one(cfg, il, lane, ops[k + "attn_norm"], p, NUMPY)
+                assert rel(c.row, ops[k + nm + "_row"]) <= 1e-5
+                assert rel(c.pooled, ops[k + nm + "_pooled"]) <= 1e-5
                 if r == 4:   # the current window became the previous one
                     np.testing.assert_array_equal(skv[:4], skv[4:])
     assert n == 36      # the same 36 emissions as the rounding test (no P0 emission exists)
@@ -242,10 +242,10 @@ def test_indexer_ops_match_ds4c(model, ops, positions):
                 assert p < 67 or k + "comp_allowed" not in ops
                 continue
             n += 1
-            q_raw, q_rope, q = indexer_query(cfg, lw, il, ops[k + "qr_norm"], p)
+            q_raw, q_rope, q = indexer_query(cfg, lw, il, ops[k + "qr_norm"], p, NUMPY)
             assert rel(q_raw, ops[k + "idx_q_raw"]) <= 1e-5
             np.testing.assert_array_equal(indexer_qat_row(ops[k + "idx_q_rope"]), ops[k + "idx_q"])
-            w_raw, wts = indexer_weights(cfg, lw, ops[k + "attn_norm"])
+            w_raw, wts = indexer_weights(cfg, lw, ops[k + "attn_norm"], NUMPY)
             assert rel(w_raw, ops[k + "idx_w_raw"]) <= 1e-5 and rel(wts, ops[k + "idx_w"]) <= 1e-5
             s = indexer_scores(ops[k + "idx_q"], ops[k + "idx_w"], ops[k + "cache_icomp"])
             assert rel(s, ops[k + "idx_scores"]) <= 1e-5
@@ -301,10 +301,13 @@ def test_indexer_allows_everything_up_to_top_k(model, ops):
     k, lw = "L2.P63.", w.layers[2]
     rows = ops[k + "cache_icomp"]
     assert len(rows) == cfg.indexer_top_k
-    assert indexer_allowed(cfg, lw, 2, ops[k + "attn_norm"], ops[k + "qr_norm"], rows, 63).all()
-    assert indexer_allowed(cfg, lw, 2, ops[k + "attn_norm"], ops[k + "qr_norm"], rows[:0], 63) is None
+    allowed, idx = indexer_allowed(cfg, lw, 2, ops[k + "attn_norm"], ops[k + "qr_norm"], rows, 63, NUMPY)
+    assert allowed.all() and idx is None                                      # no choice to make
+    assert indexer_allowed(cfg, lw, 2, ops[k + "attn_norm"], ops[k + "qr_norm"], rows[:0], 63, NUMPY) == (None, None)
     k = "L2.P67."
-    allowed = indexer_allowed(cfg, lw, 2, ops[k + "attn_norm"], ops[k + "qr_norm"], ops[k + "cache_icomp"], 67)
+    allowed, idx = indexer_allowed(cfg, lw, 2, ops[k + "attn_norm"], ops[k + "qr_norm"], ops[k + "cache_icomp"], 67,
+                                   NUMPY)
+    np.testing.assert_array_equal(idx.selected, ops[k + "idx_selected"])
     np.testing.assert_array_equal(allowed.astype(np.int8), ops[k + "comp_allowed"])
 
 
@@ -318,7 +321,7 @@ def test_mixed_attention_matches_ds4c(model, ops, positions):
             k = f"L{il}.P{p}."
             comp = ops.get(k + "cache_comp", np.zeros((0, cfg.head_dim), np.float32))
             allowed = ops[k + "comp_allowed"].astype(bool) if k + "comp_allowed" in ops else None
-            heads = attention_mixed(ops[k + "q_rope"], ops[k + "cache_raw"], comp, allowed, w.layers[il].attn_sinks)
+            heads = attention_mixed(ops[k + "q_rope"], ops[k + "cache_raw"], comp, allowed, w.layers[il].attn_sinks, NUMPY)
             rows = np.concatenate([ops[k + "cache_raw"], comp])
             scores = attention_scores(ops[k + "q_rope"], rows, allowed, n_raw=len(ops[k + "cache_raw"]))
             worst_s = max(worst_s, rel(scores, ops[k + "attn_scores"]))
@@ -332,12 +335,12 @@ def test_masked_compressed_rows_do_not_matter(model, ops):
     k = "L2.P299."
     q, raw, comp = ops[k + "q_rope"], ops[k + "cache_raw"], ops[k + "cache_comp"].copy()
     allowed = ops[k + "comp_allowed"].astype(bool)
-    base = attention_mixed(q, raw, comp, allowed, w.layers[2].attn_sinks)
+    base = attention_mixed(q, raw, comp, allowed, w.layers[2].attn_sinks, NUMPY)
     hidden, shown = np.flatnonzero(~allowed)[0], np.flatnonzero(allowed)[0]
     comp[hidden] *= 10
-    np.testing.assert_array_equal(attention_mixed(q, raw, comp, allowed, w.layers[2].attn_sinks), base)
+    np.testing.assert_array_equal(attention_mixed(q, raw, comp, allowed, w.layers[2].attn_sinks, NUMPY), base)
     comp[shown] *= 10
-    assert not np.array_equal(attention_mixed(q, raw, comp, allowed, w.layers[2].attn_sinks), base)
+    assert not np.array_equal(attention_mixed(q, raw, comp, allowed, w.layers[2].attn_sinks, NUMPY), base)
 
 
 # ---------------------------------------------------------------- the whole sub-layer
@@ -490,33 +493,27 @@ def test_snapshot_is_independent(model):
 
 
 def test_bad_input_raises_named_errors(model):
+    """Sizes are checked where they arrive: a cache's ctx_size when it is built, a forward call's positions against
+    its cache (chapter 8's check_tokens: before anything is computed, so no compressed row overflows), recorded
+    indexer rows when a session gets them (check_decisions)."""
+    from ds4ref.model import Model, ModelError
+    from ds4ref.trace import DecisionError, check_decisions
     cfg, w = model
     for bad in (0, -3, 2.5, True):
         with pytest.raises(KVCacheError):
             LayerCache(cfg, 0, bad)
-    with pytest.raises(KVCacheError):
-        LayerCache(cfg, cfg.n_layer, 16)
-    c = LayerCache(cfg, 2, 8)                       # comp_cap = 8 // 4 + 2 = 4
-    with pytest.raises(KVCacheError, match="shape"):
-        c.push_raw(np.zeros(cfg.head_dim + 1, np.float32))
-    for _ in range(c.comp_cap):
-        c.push_comp(np.zeros(cfg.head_dim, np.float32))
-    with pytest.raises(KVCacheError, match="full"):
-        c.push_comp(np.zeros(cfg.head_dim, np.float32))
-    with pytest.raises(KVCacheError, match="no indexer"):
-        LayerCache(cfg, 3, 8).push_index_comp(np.zeros(cfg.indexer_head_dim, np.float32))
-    # the context limit is enforced while decoding: ctx 8 on a ratio-4 layer holds 4 rows, the 5th emission fails
-    c = LayerCache(cfg, 2, 8)
-    X = np.ones((cfg.n_hc, cfg.n_embd), np.float32)
-    with pytest.raises(KVCacheError, match="full"):
-        for t in range(20):
-            attention_one(cfg, w.layers[2], c, X, t)
-    assert t == 19 and c.n_comp == 4
-    with pytest.raises(IndexerError):
-        attention_one(cfg, w.layers[2], LayerCache(cfg, 2, 64), X, 3, force_indexer=[5] + [-1] * 15)
-    with pytest.raises(CompressorError):
-        compressor_update_state(np.zeros((8, 4), np.float32), np.zeros((8, 4), np.float32),
-                                np.zeros(3, np.float32), np.zeros(3, np.float32), 0, 4)
+    m, cache = Model(cfg, w, NUMPY), KVCache(cfg, 8)
+    m(list(range(1, 9)), cache, 0)                  # 8 positions fill ctx 8: rows of positions 3 and 7
+    assert (cache[2].n_comp, cache[2].comp_cap) == (2, 4)
+    with pytest.raises(ModelError, match="do not fit a cache of ctx_size 8"):
+        m([1], cache, 8)
+    assert cache[2].n_raw == 8                      # unchanged
+    rows = np.full((4, cfg.indexer_top_k), -1, np.int32)
+    rows[3, 0] = 5                                  # one row exists at position 3; -1 beside an id
+    with pytest.raises(DecisionError, match="position 3"):
+        check_decisions(cfg, {"indexer": {2: rows}})
+    with pytest.raises(CompressorError, match="lane kind"):
+        CompressorLane("bogus", None, None, None, None, None, None)
 
 
 def test_finish_prefill_states_changes_no_output(model):

@@ -7,7 +7,7 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from ds4ref.backend import (COMPOSED, GLUE, KERNELS, NUMPY, QUANT_TYPES, TYPE_KERNELS, BackendError,
+from ds4ref.backend import (COMPOSED, GLUE, KERNELS, NUMPY, QUANT_TYPES, SEAM, TYPE_KERNELS, BackendError,
                             NumpyBackend, UnimplementedOpError, coverage)
 from ds4ref.backends import get_backend
 from ds4ref.backends.numba_backend import NumbaBackend
@@ -345,22 +345,57 @@ def test_backends_share_one_interface():
 
 
 def test_the_contract_names_what_the_model_calls():
-    """The kernels are KERNELS and GLUE, and the type kernels are named by QUANT_TYPES' rows: every `be.<name>(`
-    in the model's modules is one of them, a composition of them, or placement; each of KERNELS is called."""
+    """The seam is declared once (SEAM: kernels, glue, placement) and the type kernels are named by QUANT_TYPES'
+    rows: every `be.<name>` in the model's modules is a member of SEAM, a composition numpy builds from them, or what
+    the engine asks of a backend when it opens a file; each of KERNELS is called."""
     import re
     from pathlib import Path
     import ds4ref
     called = set()
     for path in Path(ds4ref.__file__).parent.glob("*.py"):
         if path.name not in ("backend.py",):
-            called |= set(re.findall(r"\bbe\.(\w+)\(", path.read_text()))
-    placement = {"place", "place_layer", "upload", "download", "check_weights", "strict", "evaluate", "on_device"}
-    composed = {"routed_experts", "routed_experts_record", "expert_pair", "expert_matvec", "matvec_q8_0"}
-    assert set(KERNELS) - {"experts_mid", "experts_down"} <= called          # those two: via routed_experts
-    assert called - placement - composed - set(GLUE) <= set(KERNELS), called - placement - set(KERNELS)
+            called |= set(re.findall(r"\bbe\.(\w+)\b", path.read_text()))
+    seam = {m for group in SEAM.values() for m in group}
+    engine = {"check_weights", "strict", "on_device", "implements", "partial", "is_strict", "name"}
+    composed = {"expert_pair", "expert_matvec", "matvec_q8_0"}
+    assert set(SEAM) == {"kernels", "glue", "placement"} and SEAM["kernels"] == KERNELS and SEAM["glue"] == GLUE
+    assert set(KERNELS) <= called
+    assert called - engine - composed <= seam, called - engine - composed - seam
     assert set(TYPE_KERNELS) == {k for q in QUANT_TYPES.values() for k in (q.matvec, q.pair) if k}
     assert not set(KERNELS) & set(GLUE) and not set(KERNELS) & set(TYPE_KERNELS)
     assert coverage(NUMPY) == {op: "own" for op in KERNELS + TYPE_KERNELS}
+
+
+class SeamSpy:
+    """A backend that records every attribute the model reads on it, and hands it the real one."""
+    def __init__(self, be):
+        self.__dict__["_be"], self.__dict__["seen"] = be, set()
+
+    def __getattr__(self, name):
+        self.seen.add(name)
+        return getattr(self._be, name)
+
+
+@pytest.mark.parametrize("be", BACKENDS, ids=lambda b: b.name)
+def test_a_forward_pass_reads_nothing_of_its_backend_outside_the_seam(be, model, golden_A):
+    """Build chapter 8's model on a spy of the backend and run a traced prefill with ds4.c's decisions replayed
+    (past the indexer's threshold at position 67) and a decode step: the model reads only SEAM's members, and
+    every kernel among them."""
+    from ds4ref.dev.oracle import decisions_from_golden
+    from ds4ref.kvcache import KVCache
+    from ds4ref.model import Model
+    from ds4ref.trace import Hooks, Trace
+    cfg, w = model
+    spy = SeamSpy(be)
+    m, cache = Model(cfg, w, spy), KVCache(cfg, 128)
+    prompt = [int(t) for t in golden_A["prompt_ids"][:80]]
+    hooks = Hooks(Trace(positions=[70, 79]), decisions_from_golden(golden_A, cfg, "batch"))
+    m.prefill(prompt, cache, hooks=hooks)
+    m([int(golden_A["greedy_tokens"][0])], cache, 80)
+    seam = {name for group in SEAM.values() for name in group}
+    assert spy.seen <= seam, sorted(spy.seen - seam)
+    assert set(KERNELS) <= spy.seen and {"place_layer", "upload", "download", "evaluate"} <= spy.seen
+    assert len(hooks.trace.data) > 100
 
 
 def test_strict_mode_refuses_what_a_backend_does_not_run_itself(model):

@@ -13,7 +13,7 @@ pytest.importorskip("mlx.core")
 
 from _helpers import rel  # noqa: E402
 
-from ds4ref.backend import BackendError, Placed  # noqa: E402
+from ds4ref.backend import NUMPY, BackendError, Placed  # noqa: E402
 from ds4ref.backends.mlx_backend import MlxBackend, MlxDevice  # noqa: E402
 from ds4ref.dev.mlx_transfers import TransferCounter  # noqa: E402
 from ds4ref.engine import Engine  # noqa: E402
@@ -141,7 +141,7 @@ def test_cache_rows_follow_chapter_6s_cache(model, dev):
     cfg, W = model
     toks = np.random.default_rng(3).integers(0, cfg.n_vocab, 130)
     ref_cache, cache = KVCache(cfg, 320), KVCache(cfg, 320, dev.xp)
-    ours, ref = Model(cfg, W, dev), Model(cfg, W)
+    ours, ref = Model(cfg, W, dev), Model(cfg, W, NUMPY)
     for pos, t in enumerate(toks):
         ours([int(t)], cache, pos)
         ref([int(t)], ref_cache, pos)

@@ -13,9 +13,10 @@ import pytest
 
 from ds4ref.backend import NUMPY
 from ds4ref.hc import hc_post
-from ds4ref.moe import (MoEError, sum_slots, hash_selected_experts,
-                        routed_moe, router_probs, router_weights, select_experts, silu, softplus_stable, swiglu,
+from ds4ref.moe import (MoEError, check_hash_table, hash_selected_experts, routed_moe, router_probs,
+                        router_weights, select_experts, silu, softplus_stable, sum_slots, swiglu,
                         topk_selected_experts)
+from ds4ref.trace import DecisionError, check_decisions
 from ds4ref.norms import rms_norm_weight
 from ds4ref.quant import Q8Act, Q8KAct, dequantize, quantize_q8_0, quantize_q8_K
 
@@ -79,11 +80,11 @@ def test_ffn_ops_match_ds4c_oracle(il, model, ops_A, positions):
         # norm
         assert rel(rms_norm_weight(o("ffn_x"), lw.ffn_norm.numpy()), o("ffn_norm")) < REL
         # router: logits, scores, bias, selection, weights
-        logits, probs = router_probs(lw, o("ffn_norm"))
+        logits, probs = router_probs(lw, o("ffn_norm"), NUMPY)
         assert rel(logits, o("router_logits")) < REL
         assert rel(np.sqrt(softplus_stable(o("router_logits"))), o("router_probs")) < REL
         if bias is None:
-            sel = hash_selected_experts(lw, token_at(ops_A, p), cfg)
+            sel = hash_selected_experts(NUMPY.place_layer(lw), token_at(ops_A, p))
         else:
             assert rel(o("router_probs") + bias, o("router_biased")) < REL
             sel = topk_selected_experts(o("router_biased"), None, cfg.n_expert_used)
@@ -126,7 +127,9 @@ def test_ffn_ops_match_ds4c_oracle(il, model, ops_A, positions):
 
 @pytest.mark.parametrize("il", LAYERS)
 def test_layer_ffn_one_matches_ds4c_end_to_end(il, model, ops_A, positions):
-    """The whole sub-layer from ds4's after_attn_hc: same experts, hc_out within 1e-5, every traced value close."""
+    """The whole sub-layer from ds4's after_attn_hc: same experts, hc_out within 1e-5, every traced value close
+    (every FFN op ds4.c dumped is traced, but the per-expert gate/up/down, which the fused kernels never form:
+    test_ffn_ops_match_ds4c_oracle checks those through chapter 3's per-expert kernels)."""
     cfg, W = model
     for p in positions:
         pre = f"L{il}.P{p}."
@@ -137,7 +140,10 @@ def test_layer_ffn_one_matches_ds4c_end_to_end(il, model, ops_A, positions):
         ffn_names = {k[len(pre):] for k in ops_A.files if k.startswith(pre)}
         ffn_names = {n for n in ffn_names if n.startswith(FFN_PREFIXES)}
         assert len(ffn_names) == 31 + (il >= cfg.n_hash_layer)     # + router_biased in top-k layers
-        assert ffn_names <= set(rec), sorted(ffn_names - set(rec))          # every FFN op is traced
+        per_expert = {"exp_gate", "exp_up", "exp_down"}
+        assert ffn_names - per_expert <= set(rec), sorted(ffn_names - per_expert - set(rec))
+        assert not per_expert & set(rec)
+        ffn_names -= per_expert
         for n in ffn_names:
             got, want = rec[n].reshape(ops_A[pre + n].shape), ops_A[pre + n]
             if n.endswith((".qs", ".bsums")):   # chained: an int8 may flip where the input sits at a half-integer
@@ -209,9 +215,9 @@ def test_hash_routing_reads_tid2eid_at_6_token_plus_i(model, ops_A, positions, o
         table = np.asarray(reader.get_tensor([t.name for t in reader.tensors].index(
             f"blk.{il}.ffn_gate_tid2eid.weight")).data).reshape(-1)              # flat, as ds4.c sees it
         for tok in (0, 1, 2, 511, 1023):
-            assert list(hash_selected_experts(W.layers[il], tok, cfg)) == list(table[6 * tok: 6 * tok + 6])
+            assert list(hash_selected_experts(NUMPY.place_layer(W.layers[il]), tok)) == list(table[6 * tok: 6 * tok + 6])
         toks = np.array([token_at(ops_A, p) for p in positions])
-        sel = hash_selected_experts(W.layers[il], toks, cfg)                      # batch of tokens
+        sel = hash_selected_experts(NUMPY.place_layer(W.layers[il]), toks)       # batch of tokens
         assert np.array_equal(sel, np.stack([ops_A[f"L{il}.P{p}.exp_ids"] for p in positions]))
         notes_order = table[np.arange(6)[None, :] * cfg.n_vocab + toks[:, None]]  # the notes' reversed indexing
         assert not np.array_equal(notes_order, sel)
@@ -288,15 +294,16 @@ def test_only_selected_experts_bytes_are_read(model, ops_A, positions):
         sel = list(ops_A[f"L{il}.P{p}.exp_ids"])
         for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             t = getattr(lw, n)
-            assert [e for e, _ in t.reads] == sel, n                       # slot order, once each, never ALL
+            assert [e for e, _ in t.reads] == sorted(sel), n               # once each, by expert, never ALL
             per_expert = t._t.data.nbytes // cfg.n_expert
             assert sum(b for _, b in t.reads) == 6 * per_expert
         # batch: every active expert read exactly once per tensor
         lw = counting_layer(W.layers[il])
         F = np.stack([ops_A[f"L{il}.P{q}.ffn_norm"] for q in positions])
         toks = np.array([token_at(ops_A, q) for q in positions])
-        sel, _ = select_experts(cfg, lw, F, toks)                  # reads no expert
-        routed_moe(cfg, lw, F, toks)
+        placed = NUMPY.place_layer(lw)                              # the counting tensors stay
+        route, sel = select_experts(cfg, placed, F, toks, NUMPY)   # reads no expert
+        routed_moe(cfg, placed, F, sel, router_weights(route.probs, sel, cfg), NUMPY)
         active = sorted(set(sel.reshape(-1).tolist()))
         for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             assert [e for e, _ in getattr(lw, n).reads] == active, n
@@ -328,26 +335,39 @@ def test_force_experts_replays_given_ids(model, ops_A):
 
 
 # ---------------------------------------------------------------- bad input
-def test_bad_input_raises_moe_error(model, ops_A):
+def test_bad_input_raises_named_errors_where_it_arrives(model, ops_A):
+    """A hash table from the file is checked when its layer is built; recorded decisions when a session gets them
+    (check_decisions); the router's NaN where the top-k reads it."""
     cfg, W = model
-    X = ops_A["L0.P1.after_attn_hc"]
-    with pytest.raises(MoEError, match="token id outside"):
-        ffn_one(cfg, W.layers[0], X, cfg.n_vocab)
-    with pytest.raises(MoEError, match="token id outside"):
-        hash_selected_experts(W.layers[0], -1, cfg)
-    with pytest.raises(MoEError, match="X must be"):
-        ffn_one(cfg, W.layers[0], X[:2], 1)
-    with pytest.raises(MoEError, match="force_experts"):
-        ffn_one(cfg, W.layers[3], X, 1, force_experts=[1, 2, 3])
-    with pytest.raises(MoEError, match="expert id outside"):
-        ffn_one(cfg, W.layers[3], X, 1, force_experts=[1, 2, 3, 4, 5, 16])
-    with pytest.raises(MoEError, match="ffn_gate_tid2eid is missing"):
-        hash_selected_experts(W.layers[3], 1, cfg)
-    with pytest.raises(MoEError, match="tokens"):
-        ffn_batch(cfg, W.layers[0], X[None], [1, 2])
+    lw = W.layers[0]
+    check_hash_table(lw, cfg)                                       # the oracle's table is fine
+    check_hash_table(W.layers[3], cfg)                              # a top-k layer has none
+    raw = lw.ffn_gate_tid2eid.numpy().copy()
+    raw[5, 2] = cfg.n_expert                                        # one id past the experts
+    bad = dataclasses.replace(lw.ffn_gate_tid2eid, data=raw.view(np.uint8).reshape(lw.ffn_gate_tid2eid.data.shape))
+    with pytest.raises(MoEError, match="expert ids 0..16 outside"):
+        check_hash_table(dataclasses.replace(lw, ffn_gate_tid2eid=bad), cfg)
+    with pytest.raises(MoEError, match="expected I32"):
+        check_hash_table(dataclasses.replace(lw, ffn_gate_tid2eid=lw.ffn_gate_inp), cfg)
+    ok = np.full((4, 6), -1, np.int32)
+    ok[2] = [15, 14, 13, 12, 11, 10]
+    check_decisions(cfg, {"experts": {3: ok}})
+    for rows, what in ((ok[:, :3], "integer rows"), (ok.astype(np.float32), "integer rows")):
+        with pytest.raises(DecisionError, match=what):
+            check_decisions(cfg, {"experts": {3: rows}})
+    ok[1, 0] = cfg.n_expert
+    with pytest.raises(DecisionError, match=r"position 1 is \[16, -1"):
+        check_decisions(cfg, {"experts": {3: ok}})
+    idx = np.full((8, cfg.indexer_top_k), -1, np.int32)
+    idx[7] = np.arange(cfg.indexer_top_k) % 2                       # 2 rows exist at position 7
+    check_decisions(cfg, {"indexer": {2: idx}})
+    idx[7, 0] = 2
+    with pytest.raises(DecisionError, match=r"ids in \[0, 2\)"):
+        check_decisions(cfg, {"indexer": {2: idx}})
+    with pytest.raises(DecisionError, match="keys"):
+        check_decisions(cfg, {"expert": {}})
     with pytest.raises(MoEError, match="NaN"):
         topk_selected_experts(np.full(16, np.nan, np.float32), None, 6)
-    assert ffn_batch(cfg, W.layers[0], np.zeros((0, 4, 256), np.float32), np.zeros(0, np.int32)).shape == (0, 4, 256)
 
 
 # ---------------------------------------------------------------- the hot matvecs go through the backend
@@ -414,27 +434,48 @@ def test_routed_experts_mid_and_down_match_ds4c(model, ops_A, positions):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])
-def test_tracing_does_not_change_moe_out(backend, model, ops_A, positions):
-    """The routed MoE with and without a trace: the same moe_out bit for bit, on the reference and on numba's
-    fused kernels; the traced exp_down sum to it in slot order and exp_mid is what went into the down."""
+def test_tracing_does_not_change_the_ffn(backend, model, ops_A, positions):
+    """The FFN sub-layer with and without a trace: the same output bit for bit, on the reference and on numba's
+    fused kernels; the traced exp_mid is what went into the down (its Q8_K codes are the traced ones), and the
+    traced moe_out + shared_out is the traced ffn_out."""
     from ds4ref.backends import get_backend
     be = NUMPY if backend == "numpy" else get_backend(backend)
     cfg, W = model
     for il in LAYERS:
+        for p in positions[::4]:
+            pre = f"L{il}.P{p}."
+            X, tok = ops_A[pre + "after_attn_hc"], token_at(ops_A, p)
+            fast = ffn_one(cfg, W.layers[il], X, tok, be=be)
+            rec = Recorder()
+            traced = ffn_one(cfg, W.layers[il], X, tok, be=be, trace=rec)
+            assert np.array_equal(fast, traced), pre
+            assert np.array_equal(quantize_q8_K(rec["exp_mid"]).qs, rec["q8k.ffn_down_exps.qs"])
+            assert np.array_equal(rec["moe_out"] + rec["shared_out"], rec["ffn_out"])
+            assert rel(rec["moe_out"], ops_A[pre + "moe_out"]) < 1e-4, pre
+
+
+def test_grouped_expert_loops_give_one_token_the_slot_by_slot_bits(model, ops_A, positions):
+    """numpy's experts_mid / experts_down group the (token, slot) pairs by expert for any number of tokens; one
+    token through them gives, bit for bit, the slot-by-slot loop of ds4.c's decode (chapter 3's pair and down
+    kernels, one slot at a time), so no one-token twin of the loops is needed."""
+    cfg, W = model
+    for il in LAYERS:
+        lw = W.layers[il]
         for p in positions:
             pre = f"L{il}.P{p}."
-            f, tok = ops_A[pre + "ffn_norm"], token_at(ops_A, p)
-            fast = routed_one(cfg, W.layers[il], f, tok, be=be)
-            rec = Recorder()
-            traced = routed_one(cfg, W.layers[il], f, tok, be=be, trace=rec)
-            assert np.array_equal(fast, traced), pre
-            assert np.array_equal(rec["moe_out"], fast) and np.array_equal(sum_slots(rec["exp_down"]), fast), pre
-            assert np.array_equal(quantize_q8_K(rec["exp_mid"]).qs, rec["q8k.ffn_down_exps.qs"])
-            assert rel(fast, ops_A[pre + "moe_out"]) < REL, pre
-            # the record: per-expert gate/up as ds4.c's, and mid = SwiGLU(gate, up) * w up to a backend's SiLU ulp
-            assert rel(rec["exp_gate"], ops_A[pre + "exp_gate"]) < REL and rel(rec["exp_up"], ops_A[pre + "exp_up"]) < REL
-            again = swiglu(rec["exp_gate"], rec["exp_up"], cfg.swiglu_clamp) * rec["exp_weights"][:, None]
-            assert rel(rec["exp_mid"], again) < 1e-6, pre
+            ids, wts = ops_A[pre + "exp_ids"], ops_A[pre + "exp_weights"]
+            xq = q8k(ops_A, pre, "q8k.ffn_gate_up_exps")
+            slot_mid = []
+            for s, e in enumerate(ids):
+                g, u = NUMPY.matvec_iq2_xxs_pair_q8_K(lw.ffn_gate_exps.expert(int(e)), lw.ffn_up_exps.expert(int(e)),
+                                                      xq)
+                slot_mid.append((swiglu(g, u, cfg.swiglu_clamp) * wts[s]).astype(np.float32))
+            mid = mid_one(NUMPY, lw.ffn_gate_exps, lw.ffn_up_exps, ids, wts, xq, cfg.swiglu_clamp)
+            assert np.array_equal(mid, np.stack(slot_mid)), pre
+            midq = q8k(ops_A, pre, "q8k.ffn_down_exps")
+            slot_down = [NUMPY.matvec_q2_K_q8_K(lw.ffn_down_exps.expert(int(e)), q8k(ops_A, pre, "q8k.ffn_down_exps", s))
+                         for s, e in enumerate(ids)]
+            assert np.array_equal(down_one(NUMPY, lw.ffn_down_exps, ids, midq), sum_slots(np.stack(slot_down))), pre
 
 
 def test_fused_expert_ops_reject_bad_input(model, ops_A):

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ds4ref.backend import NUMPY
 from ds4ref.hc import (hc_from_plain_embedding, hc_mix, hc_post, hc_pre, hc_split_sinkhorn, hc_weighted_sum,
                        output_hc_head, output_hc_weights)
 from ds4ref.norms import head_rms_norm, rms_norm_no_weight, rms_norm_weight
@@ -89,7 +90,7 @@ def test_hc_mix_split_and_weighted_sum_match_ds4c_oracle(ops_A, model, positions
         fn, scale, base = _hc_weights(W.layers[l], s)
         for p in positions:
             k = f"L{l}.P{p}."
-            worst["mix"] = max(worst["mix"], rel(hc_mix(ops_A[k + xkey], fn, cfg), ops_A[f"{k}{s}_hc_mix"]))
+            worst["mix"] = max(worst["mix"], rel(hc_mix(ops_A[k + xkey], fn, cfg, NUMPY), ops_A[f"{k}{s}_hc_mix"]))
             pre, post, comb = hc_split_sinkhorn(ops_A[f"{k}{s}_hc_mix"], scale, base, cfg.n_hc, cfg.hc_sinkhorn_iter, cfg.hc_eps)
             split = ops_A[f"{k}{s}_hc_split"]
             worst["split"] = max(worst["split"], rel(np.concatenate([pre, post, comb.ravel()]), split))
@@ -105,7 +106,7 @@ def test_hc_pre_matches_ds4c_oracle(ops_A, model, positions, s, xkey):
         fn, scale, base = _hc_weights(W.layers[l], s)
         for p in positions:
             k = f"L{l}.P{p}."
-            x, post, comb = hc_pre(ops_A[k + xkey], fn, scale, base, cfg)
+            x, post, comb = hc_pre(ops_A[k + xkey], fn, scale, base, cfg, NUMPY)
             assert x.shape == (cfg.n_embd,) and post.shape == (cfg.n_hc,) and comb.shape == (cfg.n_hc, cfg.n_hc)
             worst = max(worst, rel(x, ops_A[f"{k}{s}_x"]), rel(post, ops_A[f"{k}{s}_post"]),
                         rel(comb, ops_A[f"{k}{s}_comb"]))
@@ -130,10 +131,10 @@ def test_output_hc_head_matches_ds4c_oracle(ops_A, model, positions):
     cfg, W = model
     for p in positions:
         X = ops_A[f"L{cfg.n_layer - 1}.P{p}.hc_out"]
-        assert rel(hc_mix(X, W.output_hc_fn, cfg), ops_A[f"P{p}.out_hc_mix"]) <= FLOAT_TOL
+        assert rel(hc_mix(X, W.output_hc_fn, cfg, NUMPY), ops_A[f"P{p}.out_hc_mix"]) <= FLOAT_TOL
         assert rel(output_hc_weights(ops_A[f"P{p}.out_hc_mix"], W.output_hc_scale, W.output_hc_base, cfg.hc_eps),
                    ops_A[f"P{p}.out_hc_w"]) <= 1e-6
-        e = output_hc_head(X, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, cfg)
+        e = output_hc_head(X, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, cfg, NUMPY)
         assert rel(e, ops_A[f"P{p}.out_embd"]) <= FLOAT_TOL
 
 
@@ -209,7 +210,7 @@ def test_hc_post_keeps_the_sum_of_streams(ops_A, model, positions):
         for p in positions:
             k = f"L{l}.P{p}."
             X, y = ops_A[k + "hc_in"], ops_A[k + "attn_out"]
-            _, post, comb = hc_pre(X, fn, scale, base, cfg)
+            _, post, comb = hc_pre(X, fn, scale, base, cfg, NUMPY)
             assert rel(hc_post(y, X, post, comb).sum(0), X.sum(0) + post.sum() * y) <= 1e-3
             want = X.sum(0) + ops_A[k + "attn_post"].sum() * y
             assert rel(ops_A[k + "after_attn_hc"].sum(0), want) <= 1e-3
@@ -219,10 +220,10 @@ def test_hc_pre_batched_equals_per_token(ops_A, model, positions):
     cfg, W = model
     fn, scale, base = _hc_weights(W.layers[3], "attn")
     Xb = np.stack([ops_A[f"L3.P{p}.hc_in"] for p in positions])
-    xb, postb, combb = hc_pre(Xb, fn, scale, base, cfg)
+    xb, postb, combb = hc_pre(Xb, fn, scale, base, cfg, NUMPY)
     assert xb.shape == (len(positions), cfg.n_embd) and combb.shape == (len(positions), cfg.n_hc, cfg.n_hc)
     for i, X in enumerate(Xb):
-        x, post, comb = hc_pre(X, fn, scale, base, cfg)
+        x, post, comb = hc_pre(X, fn, scale, base, cfg, NUMPY)
         assert rel(xb[i], x) <= 1e-6 and rel(postb[i], post) <= 1e-6 and rel(combb[i], comb) <= 1e-6
     yb = np.stack([ops_A[f"L3.P{p}.attn_out"] for p in positions])
     outb = hc_post(yb, Xb, postb, combb)
@@ -234,8 +235,8 @@ def test_hc_pre_is_scale_invariant_up_to_eps(ops_A, model):
     cfg, W = model
     fn, scale, base = _hc_weights(W.layers[2], "attn")
     X = ops_A["L2.P67.hc_in"]
-    x1, post1, comb1 = hc_pre(X, fn, scale, base, cfg)
-    x2, post2, comb2 = hc_pre(8 * X, fn, scale, base, cfg)
+    x1, post1, comb1 = hc_pre(X, fn, scale, base, cfg, NUMPY)
+    x2, post2, comb2 = hc_pre(8 * X, fn, scale, base, cfg, NUMPY)
     assert rel(x2, 8 * x1) <= 1e-5 and rel(post2, post1) <= 1e-5 and rel(comb2, comb1) <= 1e-5
 
 
@@ -243,7 +244,7 @@ def test_hc_errors_name_the_problem(model):
     cfg, W = model
     fn, scale, base = _hc_weights(W.layers[0], "attn")
     with pytest.raises(ValueError, match=r"hc_pre: HC state has shape \(3, 256\)"):
-        hc_pre(np.ones((3, 256), np.float32), fn, scale, base, cfg)
+        hc_pre(np.ones((3, 256), np.float32), fn, scale, base, cfg, NUMPY)
     with pytest.raises(ValueError, match="hc_split_sinkhorn: mix"):
         hc_split_sinkhorn(np.ones(23, np.float32), scale, base)
     with pytest.raises(ValueError, match="iters must be >= 1"):

@@ -83,6 +83,7 @@ def run(path: Path) -> Path:
 
 def draft(path: Path) -> Path:
     nb = nbformat.read(path, as_version=4)
+    nb.metadata.pop("jupytext", None)   # a stored filter would drop the cells' tags
     out = BOOK / "_drafts" / (path.stem + ".py")
     out.parent.mkdir(exist_ok=True)
     jupytext.write(nb, out, fmt="py:percent")

@@ -11,7 +11,6 @@ from ds4ref.backend import NumpyBackend, Placed
 from ds4ref.backends.cupy_kernels import (NULL, ROWS_PER_BLOCK, TOKENS_PER_WARP,
                                           load_kernels)
 from ds4ref.backends.cupy_experts import CupyExperts
-from ds4ref.backends.cupy_layer_ops import CupyLayerOps
 from ds4ref.backends.common import (
     FUSED_EXPERT_TYPES,
     FUSED_PARTIAL,
@@ -24,7 +23,7 @@ from ds4ref.quant import iq2xxs_grid
 from ds4ref.weights import f32_of
 
 
-class CupyBackend(CupyLayerOps, CupyExperts, NumpyBackend):
+class CupyBackend(CupyExperts, NumpyBackend):
     """NumpyBackend with the quantized matvecs, the sink attention and the routed
     experts as CUDA kernels, host arrays in and out.
 

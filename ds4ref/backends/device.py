@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds4ref.arrays import wide_float
-from ds4ref.backend import NUMPY, Placed, weight_op
+from ds4ref.backend import Placed, weight_op
 from ds4ref.ggml_types import GGMLType
 from ds4ref.kvquant import E2M1_VALUES, E4M3_VALUES
 from ds4ref.quant import Q8Act, Q8KAct
@@ -145,9 +145,6 @@ class DeviceArrays:
         r = self._round_table(xp.clip(xb / s, -6.0, 6.0), self._e2m1) * s
         return r.reshape(*lead, 128)
 
-    def f16_round(self, x):
-        return x.astype(self.xp.float16).astype(self.xp.float32)
-
     def _rope_rows(self, cfg, ratio: int, pos: int):
         """cos and sin [n_rot / 2] of position pos, times mscale: chapter 5's float32
         angles, made on the host ROPE_BLOCK positions at a time, sent up once."""
@@ -183,12 +180,3 @@ class DeviceArrays:
         ahead = (other > mine) | ((other == mine) & (ids[None, :] < ids[:, None]))
         rank = ahead.astype(xp.int32).sum(axis=-1)                    # 0 = the best
         return xp.argsort(rank, axis=-1)[..., :k].astype(xp.int32)
-
-    def routed_experts_record(self, w_gate3, w_up3, w_down3, sel, weights, xq,
-                              clamp):
-        """For a trace: the per-expert record by numpy's kernels on the host (the
-        result of the layer is the device's)."""
-        host = [self.download(a) for a in (sel, weights)]
-        return NUMPY.routed_experts_record(
-            w_gate3.tensor, w_up3.tensor, w_down3.tensor, *host,
-            type(xq)(*(self.download(f) for f in xq)), clamp)

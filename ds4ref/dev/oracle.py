@@ -305,8 +305,7 @@ def shadow_decisions(cfg, weights, trace: Trace, be=NUMPY) -> dict:
                 icomp = trace[f"L{il}.P{p}.cache_icomp"]
                 if len(icomp) <= cfg.indexer_top_k:
                     continue  # every row visible: no selection
-                got = {}
-                allowed = indexer_allowed(
+                allowed, idx = indexer_allowed(
                     cfg,
                     lw,
                     il,
@@ -315,10 +314,9 @@ def shadow_decisions(cfg, weights, trace: Trace, be=NUMPY) -> dict:
                     icomp,
                     int(p),
                     be,
-                    lambda n, v: got.__setitem__(n, v),
                 )
                 rows[p] = np.flatnonzero(allowed)
-                scores[int(p)] = got["idx_scores"]
+                scores[int(p)] = idx.scores
             out["indexer"][il], out["indexer_scores"][il] = rows, scores
     return out
 
