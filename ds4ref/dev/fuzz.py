@@ -153,8 +153,12 @@ def fuzz(bases: list, cases: int, seed: int = 0, time_limit: float = 10.0,
                 if len(examples.setdefault(outcome, [])) < 3:
                     examples[outcome].append(record)
                 if progress is not None:
-                    progress(sum(counts.values()), counts)
-    return dict(counts=dict(sorted(counts.items())), failures=failures,
+                    progress(sum(counts.values()), _result(counts, failures, examples))
+    return _result(counts, failures, examples)
+
+
+def _result(counts, failures, examples) -> dict:
+    return dict(counts=dict(sorted(counts.items())), failures=list(failures),
                 examples=dict(sorted(examples.items())))
 
 
@@ -185,7 +189,8 @@ def default_bases() -> list[Path]:
 
 
 def main(argv=None) -> int:
-    """python -m ds4ref.dev.fuzz: run N mutants, print the counts, write them as JSON.
+    """python -m ds4ref.dev.fuzz: run N mutants, print the counts, write them as JSON
+    (every 1 % of the run, so that a run cut short still reports what it ran).
 
     Mirrors ds4.c: none (a test harness)"""
     p = argparse.ArgumentParser(prog="python -m ds4ref.dev.fuzz", description=__doc__)
@@ -210,25 +215,25 @@ def main(argv=None) -> int:
         memory = int(args.memory_gib * 2**30)
         print(labels, run_case(data, out, args.time_limit, memory))
         return 0
+    from ds4ref.backends import machine_description
+    from ds4ref.dev.bench_timing import run_stamp
+    head = dict(run_stamp(), machine=machine_description(), seed=args.seed,
+                first=args.first, planned=args.cases, jobs=args.jobs,
+                time_limit_s=args.time_limit, memory_gib=args.memory_gib,
+                bases=[dict(name=b.name, sha256=hashlib.sha256(
+                    b.read_bytes()).hexdigest()) for b in bases])
     t0, step = time.monotonic(), max(1, args.cases // 100)
 
-    def progress(n, counts):
+    def report(n, res):           # written every 1 % of the run: a cut run still counts
+        if args.out and (n % step == 0 or n == args.cases):
+            rep = dict(head, cases=n, seconds=round(time.monotonic() - t0), **res)
+            args.out.write_text(json.dumps(rep, indent=1) + "\n")
         if n % step == 0 or n == args.cases:
             print(f"{n}/{args.cases} cases, {time.monotonic() - t0:.0f} s: "
-                  f"{dict(sorted(counts.items()))}", file=sys.stderr, flush=True)
+                  f"{res['counts']}", file=sys.stderr, flush=True)
     res = fuzz(bases, args.cases, args.seed, args.time_limit,
-               int(args.memory_gib * 2**30), args.jobs, args.first, progress=progress)
+               int(args.memory_gib * 2**30), args.jobs, args.first, progress=report)
     print(json.dumps(res["counts"], indent=1))
-    if args.out:
-        from ds4ref.backends import machine_description
-        from ds4ref.dev.bench_timing import run_stamp
-        report = dict(run_stamp(), machine=machine_description(), seed=args.seed,
-                      first=args.first, cases=args.cases, jobs=args.jobs,
-                      time_limit_s=args.time_limit, memory_gib=args.memory_gib,
-                      seconds=round(time.monotonic() - t0),
-                      bases=[dict(name=b.name, sha256=hashlib.sha256(
-                          b.read_bytes()).hexdigest()) for b in bases], **res)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
     bad = sum(n for k, n in res["counts"].items()
               if not k.startswith(("accepted", "named:")))
     return 1 if bad else 0
