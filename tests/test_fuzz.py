@@ -52,6 +52,11 @@ def _sleep(path):
     time.sleep(60)
 
 
+def _spin(path):
+    while True:
+        pass
+
+
 def _segfault(path):
     os.kill(os.getpid(), signal.SIGSEGV)
 
@@ -74,19 +79,21 @@ def _accept(path):
 
 @pytest.mark.parametrize("target, outcome", [
     (_accept, "accepted"), (_gguf_error, "named:GGUFError"), (_key_error, "other:KeyError"),
-    (_allocate, "other:MemoryError"), (_sleep, "hang"), (_segfault, "crash")])
+    (_allocate, "other:MemoryError"), (_spin, "hang"), (_sleep, "hang"),
+    (_segfault, "crash")])
 def test_harness_sorts_each_outcome(tmp_path, target, outcome):
     """A child that returns, raises a named or another error, outgrows its address space,
-    outlives its time or dies of a signal: the parent tells which, and goes on."""
+    spends its CPU time, waits past the wall limit or dies of a signal: the parent tells
+    which, and goes on."""
     t0 = time.monotonic()
-    got, detail = run_case(b"GGUF", tmp_path / "m.gguf", time_limit=2.0, memory=1 << 30,
-                           target=target)
+    got, detail = run_case(b"GGUF", tmp_path / "m.gguf", time_limit=1.0, memory=1 << 30,
+                           target=target, wall_limit=30.0 if target is _spin else 3.0)
     assert got == outcome, detail
-    assert time.monotonic() - t0 < 30
+    assert ("CPU" in detail) == (target is _spin) and time.monotonic() - t0 < 60
 
 
 def test_jobs_run_side_by_side_and_count_every_case(bases, tmp_path):
-    res = fuzz(bases, cases=6, seed=9, jobs=3, time_limit=2.0, target=_sleep)
+    res = fuzz(bases, cases=6, seed=9, jobs=3, time_limit=1.0, wall_limit=2.0, target=_sleep)
     assert res["counts"] == {"hang": 6}
     assert sorted(f["case"] for f in res["failures"]) == list(range(6))
     json.dumps(res)                             # the report is plain JSON

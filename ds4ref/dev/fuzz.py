@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import select
 import signal
@@ -49,16 +50,21 @@ def _preload() -> None:
     import ds4ref.steering  # noqa: F401
 
 
-def _child(target, path, w: int, memory: int) -> None:
-    """In the forked child: limit the address space, run target(path), report one
-    [outcome, detail] line on the pipe, and exit without returning to the caller."""
+def _child(target, path, w: int, memory: int, cpu: float) -> None:
+    """In the forked child: limit the address space and the CPU time, run target(path),
+    report one [outcome, detail] line on the pipe, and exit without returning."""
     from ds4ref.gguf import DS4RefError
+    null = os.open(os.devnull, os.O_WRONLY)   # the report is the pipe's line, not stderr
+    os.dup2(null, 2)
     try:
         try:
             import resource
             with open("/proc/self/statm") as f:   # what the parent already maps
                 mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
             resource.setrlimit(resource.RLIMIT_AS, (mapped + memory, mapped + memory))
+            # CPU seconds, not wall seconds: on a busy machine a niced child may wait
+            # minutes for the CPU; SIGXCPU ends a busy loop all the same
+            resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(cpu), math.ceil(cpu) + 1))
         except (ImportError, OSError, ValueError):
             pass
         out = ["accepted", str(target(path))]
@@ -80,24 +86,28 @@ class _Running:
     chunks: list = field(default_factory=list)
 
 
-def _start(target, data: bytes, path: Path, case, labels, time_limit, memory):
+def _start(target, data: bytes, path: Path, case, labels, limits):
+    time_limit, memory, wall = limits
     path.write_bytes(data)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
-        _child(target, path, w, memory)
+        _child(target, path, w, memory, time_limit)
     os.close(w)
-    return _Running(pid, r, case, labels, time.monotonic() + time_limit)
+    return _Running(pid, r, case, labels, time.monotonic() + wall)
 
 
-def _finish(run: _Running, timed_out: bool, time_limit: float) -> tuple[str, str]:
+def _finish(run: _Running, timed_out: bool, limits) -> tuple[str, str]:
+    time_limit, _, wall = limits
     if timed_out:
         os.kill(run.pid, signal.SIGKILL)
     os.close(run.pipe)
     _, status = os.waitpid(run.pid, 0)
     if timed_out:
-        return "hang", f"killed after {time_limit} s"
+        return "hang", f"no answer after {wall} s: blocked"
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
+        return "hang", f"{time_limit} s of CPU spent"
     if not run.chunks:
         return "crash", f"wait status {status}"
     outcome, detail = json.loads(b"".join(run.chunks))
@@ -106,12 +116,14 @@ def _finish(run: _Running, timed_out: bool, time_limit: float) -> tuple[str, str
 
 def fuzz(bases: list, cases: int, seed: int = 0, time_limit: float = 10.0,
          memory: int = 4 << 30, jobs: int = 1, first: int = 0, target=open_and_run,
-         progress=None) -> dict:
+         progress=None, wall_limit: float | None = None) -> dict:
     """Run cases first .. first+cases-1 of run `seed` (case i mutates bases[i %
     len(bases)]), `jobs` children at a time; counts by outcome, the first examples of
-    each, and every case that was neither accepted nor a named error.
+    each, and every case that was neither accepted nor a named error. A child may spend
+    time_limit s of CPU and wait wall_limit s (6 x time_limit) in all.
 
     Mirrors ds4.c: none (a test harness)"""
+    limits = (time_limit, memory, wall_limit or 6 * time_limit)
     layouts = [parse_layout(Path(b).read_bytes()) for b in bases]
     _preload()
     counts, failures, examples = Counter(), [], {}
@@ -125,7 +137,7 @@ def fuzz(bases: list, cases: int, seed: int = 0, time_limit: float = 10.0,
             while free and (i := next(todo, None)) is not None:
                 data, labels = mutant(layouts[i % len(layouts)], seed, i)
                 path = free.pop()
-                run = _start(target, data, path, i, labels, time_limit, memory)
+                run = _start(target, data, path, i, labels, limits)
                 running[run.pipe], paths[run.pipe] = run, path
             if not running:
                 break
@@ -145,7 +157,7 @@ def fuzz(bases: list, cases: int, seed: int = 0, time_limit: float = 10.0,
             for fd, timed_out in done:
                 run = running.pop(fd)
                 free.append(paths.pop(fd))
-                outcome, detail = _finish(run, timed_out, time_limit)
+                outcome, detail = _finish(run, timed_out, limits)
                 counts[outcome] += 1
                 record = dict(case=run.case, labels=run.labels, detail=detail)
                 if not outcome.startswith(("accepted", "named:")):
@@ -163,20 +175,22 @@ def _result(counts, failures, examples) -> dict:
 
 
 def run_case(data: bytes, path, time_limit: float = 10.0, memory: int = 4 << 30,
-             target=open_and_run) -> tuple[str, str]:
+             target=open_and_run, wall_limit: float | None = None) -> tuple[str, str]:
     """One mutant opened in a forked child: (outcome, detail), outcome one of accepted,
-    named:<class>, other:<class>, hang or crash.
+    named:<class>, other:<class>, hang (time_limit s of CPU, or no answer after
+    wall_limit s) or crash.
 
     Mirrors ds4.c: none (a test harness)"""
-    run = _start(target, data, Path(path), None, [], time_limit, memory)
+    limits = (time_limit, memory, wall_limit or 6 * time_limit)
+    run = _start(target, data, Path(path), None, [], limits)
     while True:
         ready, _, _ = select.select([run.pipe], [], [],
                                     max(0.0, run.deadline - time.monotonic()))
         if not ready:
-            return _finish(run, True, time_limit)
+            return _finish(run, True, limits)
         chunk = os.read(run.pipe, 65536)
         if not chunk:
-            return _finish(run, False, time_limit)
+            return _finish(run, False, limits)
         run.chunks.append(chunk)
 
 
@@ -198,7 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--first", type=int, default=0, help="first case number")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="children at a time")
-    p.add_argument("--time-limit", type=float, default=10.0, help="seconds per case")
+    p.add_argument("--time-limit", type=float, default=10.0,
+                   help="CPU seconds per case (and 6 x as many seconds of waiting)")
     p.add_argument("--memory-gib", type=float, default=4.0,
                    help="address space a child may add to what it inherits")
     p.add_argument("--base", action="append", type=Path, help="GGUF to mutate (repeat)")
