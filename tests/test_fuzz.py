@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ds4ref.bundled import default_model_path
-from ds4ref.dev.fuzz import fuzz, run_case
+from ds4ref.dev.fuzz import default_bases, fuzz, run_case
 from ds4ref.dev.mutate import MUTATIONS, mutant, parse_layout
 from ds4ref.gguf import GGUFError, GGUFFile
 
@@ -46,6 +46,18 @@ def test_every_mutation_changes_the_file_and_cases_are_reproducible(bases):
     assert mutant(base, 3, 17) == mutant(base, 3, 17)
     assert mutant(base, 3, 17) != mutant(base, 3, 18) and mutant(base, 3, 17) != mutant(base, 4, 17)
     assert base.to_bytes() == raw               # mutants are made on copies
+
+
+def test_mutations_of_a_mutated_record_stay_bounded(bases):
+    """Cases whose mutations meet: an array whose length lies, then one of its items (case
+    6439 of seed 0 once looped over 2^63 items), and raw edits on a file an earlier edit cut
+    shorter than its header (case 8182 once indexed past its end). Each is written, and
+    labelled for what it could do."""
+    layouts = [parse_layout(p.read_bytes()) for p in default_bases()]
+    data, labels = mutant(layouts[6439 % 2], 0, 6439)
+    assert labels == ["tensor.type", "array.length", "array_item.none"]
+    data, labels = mutant(layouts[8182 % 2], 0, 8182)
+    assert isinstance(data, bytes) and len(labels) >= 2
 
 
 def _sleep(path):
