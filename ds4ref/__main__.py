@@ -8,12 +8,23 @@ import argparse
 import sys
 import time
 
+from ds4ref.gguf import DS4RefError
+
+PROG = "python -m ds4ref"
+
+
+class CLIError(DS4RefError, ValueError):
+    """A command-line flag is malformed or out of range (argparse's message)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):         # one line, no usage block, no exit from here
+        raise CLIError(message)
+
 
 def build_parser() -> argparse.ArgumentParser:
     from ds4ref.backends import BACKENDS
-    p = argparse.ArgumentParser(
-        prog="python -m ds4ref", description="Generate text with the ds4ref engine."
-    )
+    p = _Parser(prog=PROG, description="Generate text with the ds4ref engine.")
     p.add_argument(
         "-m",
         "--model",
@@ -107,46 +118,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Parse flags, encode the prompt, prefill, then sample/print/eval token by
-    token."""
-    args = build_parser().parse_args(argv)
+    """Run the command line. A bad flag or anything ds4ref refuses (a missing file, a
+    malformed model, an option out of range) prints one line `python -m ds4ref: error:
+    ...` on stderr and returns 2, never a traceback."""
+    try:
+        return generate(build_parser().parse_args(argv))
+    except DS4RefError as exc:
+        msg = " ".join(str(exc).split())
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def generate(args) -> int:
+    """Encode the prompt, prefill, then sample/print/eval token by token."""
     from ds4ref.engine import Engine
-    from ds4ref.session import SessionError
-    from ds4ref.sample import SampleRNG, SamplingError, _check_params
-    from ds4ref.generation import GenerationError, StopStrings
+    from ds4ref.sample import SampleRNG, _check_params
+    from ds4ref.generation import StopStrings
 
     if args.summary:
         from ds4ref.cli import model_summary
         from ds4ref.bundled import default_model_path
         print(model_summary(args.model or default_model_path()))
         return 0
-    try:
-        _check_params(args.temp, args.top_k, args.top_p, args.min_p)
-        stops = StopStrings(args.stop)
-    except (SamplingError, GenerationError) as exc:
-        print(f"ds4ref: {exc}", file=sys.stderr)
-        return 2
+    _check_params(args.temp, args.top_k, args.top_p, args.min_p)
+    stops = StopStrings(args.stop)
     if args.tokens < 0:
-        print("ds4ref: -n must be >= 0", file=sys.stderr)
-        return 2
-    from ds4ref.engine import BackendError
-    from ds4ref.gguf import GGUFError
-    try:
-        eng = Engine.open(
-            args.model,
-            backend=args.backend,
-            resident=args.resident,
-            ctx_size=args.ctx,
-            mtp_path=args.mtp,
-            mtp_draft_tokens=args.mtp_draft,
-            mtp_margin=args.mtp_margin,
-            steering_file=args.dir_steering_file,
-            steering_attn=args.dir_steering_attn,
-            steering_ffn=args.dir_steering_ffn,
-        )
-    except (GGUFError, BackendError, OSError, ValueError) as exc:
-        print(f"ds4ref: {exc}", file=sys.stderr)
-        return 2
+        raise CLIError(f"argument -n/--tokens: must be >= 0, got {args.tokens}")
+    eng = Engine.open(
+        args.model,
+        backend=args.backend,
+        resident=args.resident,
+        ctx_size=args.ctx,
+        mtp_path=args.mtp,
+        mtp_draft_tokens=args.mtp_draft,
+        mtp_margin=args.mtp_margin,
+        steering_file=args.dir_steering_file,
+        steering_attn=args.dir_steering_attn,
+        steering_ffn=args.dir_steering_ffn,
+    )
     if args.warm_weights:  # ds4.c: --warm-weights, model_warm_weights (l. 1477)
         eng.gguf.warm_pages()
     warm_up = None if args.resident else getattr(eng.backend, "warm_up", None)
@@ -158,9 +167,6 @@ def main(argv=None) -> int:
                else "loaded from numba's cache")
         print(f" {secs:.1f} s ({how})", file=sys.stderr)
     tok = eng.tokenizer
-    if tok is None:
-        print(f"ds4ref: {args.model}: the GGUF has no tokenizer", file=sys.stderr)
-        return 2
     if args.raw:
         prompt = [tok.bos_id] + tok.encode(args.prompt)
     else:
@@ -181,11 +187,7 @@ def main(argv=None) -> int:
         else (time.time_ns() ^ (id(args) << 16)) & ((1 << 64) - 1)
     )
     rng = SampleRNG(seed)
-    try:
-        s = eng.session(args.ctx)
-    except SessionError as exc:
-        print(f"ds4ref: {exc}", file=sys.stderr)
-        return 2
+    s = eng.session(args.ctx)
 
     from tqdm import tqdm
 
@@ -206,11 +208,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         s.sync(prompt, progress=progress)
-    except SessionError as exc:
+    finally:
         bar.close()
-        print(f"ds4ref: {exc}", file=sys.stderr)
-        return 2
-    bar.close()
     t1 = time.perf_counter()
 
     room = s.ctx_size - s.pos

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ds4ref.config_keys import (  # noqa: F401
-    ARCH, F32_KEYS, QK_K, ROPE_ORIG_CTX, SWIGLU_CLAMP, U32_KEYS, expect_f32,
-    layer_compress_ratio,
+    ARCH, DS4_SHAPE, F32_KEYS, PINNED, QK_K, ROPE_ORIG_CTX, SWIGLU_CLAMP, U32_KEYS,
+    expect_f32, layer_compress_ratio,
 )
 from ds4ref.gguf import GGUFError, GGUFValueType as V
 
@@ -95,8 +95,10 @@ class ModelConfig:
     def check(self) -> None:
         """Raise GGUFError naming the key if the shape cannot be a DS4 model.
 
-        ds4.c compares every value with its compiled-in shape; we keep the checks that
-        hold for any shape.
+        ds4.c requires every value to equal its compiled-in shape; we require that of
+        the PINNED values, bound the others by ds4.c's (a loop or an array sized by one
+        can then be no larger than in ds4.c), and keep the checks that hold for any
+        shape.
         Mirrors ds4.c: config_validate_model (l. 2564)"""
         def bad(field, why):
             key = U32_KEYS.get(field, field)
@@ -187,34 +189,26 @@ class ModelConfig:
                 "rope.scaling.original_context_length",
                 f"expected {ROPE_ORIG_CTX}, got {self.rope_orig_ctx}",
             )
+        self.check_bounds(bad)
 
-    # -- the two shapes of this book
+    def check_bounds(self, bad) -> None:
+        """The PINNED values equal ds4.c's, the others are at most ds4.c's.
+
+        Mirrors ds4.c: config_expect_u32 (l. 2536)"""
+        for f in PINNED:
+            if getattr(self, f) != DS4_SHAPE[f]:
+                bad(f, f"expected {DS4_SHAPE[f]} as ds4.c, got {getattr(self, f)}")
+        for f, top in DS4_SHAPE.items():
+            if getattr(self, f) > top:
+                bad(f, f"{getattr(self, f)} is more than ds4.c's {top} (a DS4 model "
+                       "is DeepSeek V4 Flash's shape or a smaller one)")
+
+    # -- the shapes of this book
     @classmethod
     def real(cls) -> "ModelConfig":
         """DeepSeek V4 Flash as ds4.c compiles it (the enum at ds4.c l. 86-109)."""
         return cls(
-            n_layer=43,
-            n_embd=4096,
-            n_vocab=129280,
-            n_head=64,
-            n_head_kv=1,
-            head_dim=512,
-            value_dim=512,
-            n_rot=64,
-            n_lora_q=1024,
-            n_lora_o=1024,
-            n_out_group=8,
-            n_expert=256,
-            n_expert_used=6,
-            n_ff_exp=2048,
-            n_expert_shared=1,
-            n_hash_layer=3,
-            n_swa=128,
-            n_indexer_head=64,
-            indexer_head_dim=128,
-            indexer_top_k=512,
-            n_hc=4,
-            hc_sinkhorn_iter=20,
+            **DS4_SHAPE,
             compress_ratios=tuple(layer_compress_ratio(i) for i in range(43)),
         )
 

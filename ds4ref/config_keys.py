@@ -48,6 +48,21 @@ F32_KEYS = {
     "rms_eps": ("attention.layer_norm_rms_epsilon", 1e-6),
     "hc_eps": ("hyper_connection.epsilon", 1e-6),
 }
+# ds4.c's compiled shape, DeepSeek V4 Flash (its enum, l. 86-109), by ModelConfig field
+DS4_SHAPE = {
+    "n_layer": 43, "n_embd": 4096, "n_vocab": 129280, "n_head": 64, "n_head_kv": 1,
+    "head_dim": 512, "value_dim": 512, "n_rot": 64, "n_lora_q": 1024,
+    "n_lora_o": 1024, "n_out_group": 8, "n_expert": 256, "n_expert_used": 6,
+    "n_ff_exp": 2048, "n_expert_shared": 1, "n_hash_layer": 3, "n_swa": 128,
+    "n_indexer_head": 64, "indexer_head_dim": 128, "indexer_top_k": 512, "n_hc": 4,
+    "hc_sinkhorn_iter": 20,
+}
+# the values every model of this book shares with ds4.c, checked as config_expect_u32
+# does; every other shape value may be smaller than ds4.c's, never larger
+PINNED = (
+    "n_head_kv", "n_rot", "n_expert_shared", "indexer_head_dim", "n_hc",
+    "hc_sinkhorn_iter",
+)
 ROPE_ORIG_CTX = 65536     # DS4_ROPE_ORIG_CTX
 SWIGLU_CLAMP = 10.0       # DS4_SWIGLU_CLAMP_EXP
 # K-quant super-block (256): rows of routed experts are whole blocks

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds4ref.backend import BackendError
+from ds4ref.arguments import file_path
+from ds4ref.backend import BackendError, NumpyBackend
+from ds4ref.gguf import DS4RefError
 # the session errors, re-exported: callers catch them from the engine
 from ds4ref.session import (  # noqa: F401
     ContextOverflowError,
@@ -16,8 +18,13 @@ from ds4ref.session import (  # noqa: F401
     SessionError,
     Snapshot,
     TokenRangeError,
+    check_ctx_size,
 )
 from ds4ref.tokenizer import Tokenizer
+
+
+class EngineError(DS4RefError, ValueError):
+    """An Engine.open argument is of the wrong kind (the message names it)."""
 
 
 def resolve_backend(backend):
@@ -26,8 +33,11 @@ def resolve_backend(backend):
 
     "auto" takes a backend verified on this kind of hardware (by
     choose_backend) and says which on stderr."""
-    if not isinstance(backend, str):
+    if isinstance(backend, NumpyBackend):
         return backend
+    if not isinstance(backend, str):
+        raise BackendError(f"backend: expected a name ('auto', 'numpy', 'numba', ...) "
+                           f"or a backend object, got {backend!r}")
     if backend == "numpy":
         from ds4ref.backend import NUMPY
         return NUMPY
@@ -92,13 +102,21 @@ class Engine:
         if path is None:
             from ds4ref.bundled import default_model_path
             path = default_model_path()
+        path = file_path("path", path, EngineError)
+        if not isinstance(resident, bool):
+            raise EngineError(f"resident: expected True or False, got {resident!r}")
         be = resolve_backend(backend)
         if resident:
             _check_resident(mtp_path, steering_file)
             be = be.on_device().strict()   # on the device, numpy's kernels cannot run
         gguf, cfg, weights = load_model(path)
-        be.check_weights(weights)   # strict: refuse now what would run in numpy
-        eng = cls(Path(path), gguf, cfg, weights, _tokenizer_of(gguf), be)
+        try:
+            ctx_size = check_ctx_size(cfg, ctx_size)
+            be.check_weights(weights)   # strict: refuse now what would run in numpy
+        except BaseException:
+            gguf.close()
+            raise
+        eng = cls(path, gguf, cfg, weights, _tokenizer_of(gguf), be)
         from ds4ref.mtp import open_mtp_options
         from ds4ref.steering import open_steering
         eng.steering = open_steering(cfg, steering_file, steering_attn, steering_ffn)
@@ -108,7 +126,7 @@ class Engine:
             be.check_weights(eng.mtp)
         from ds4ref.model import Model
         eng.model = Model(cfg, weights, be)      # weights placed once, for sessions
-        eng.ctx_size, eng.resident = int(ctx_size), resident
+        eng.ctx_size, eng.resident = ctx_size, resident
         return eng
 
     @property

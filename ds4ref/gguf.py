@@ -51,7 +51,7 @@ _SCALAR_DTYPE = {
 }
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
-MAX_ARRAY_DEPTH = 8   # ds4.c's skip_value gives up on arrays nested deeper than this
+MAX_ARRAY_DEPTH = 8   # ds4.c's skip_value refuses a value inside more arrays than this
 MAX_DIMS = 8          # DS4_MAX_DIMS
 
 
@@ -128,11 +128,23 @@ class _Cursor:
         return out
 
 
+def _check_depth(depth: int, what: str) -> None:
+    if depth > MAX_ARRAY_DEPTH:
+        raise GGUFError(
+            f"{what}: metadata value nested {depth} arrays deep (at most "
+            f"{MAX_ARRAY_DEPTH})"
+        )
+
+
 def _read_value(c: _Cursor, vtype: int, what: str, depth: int = 0):
     """Decode one metadata value at the cursor into python values; returns (value, type
     tuple).
 
+    depth counts the arrays around the value; ds4.c refuses a value it visits deeper
+    than MAX_ARRAY_DEPTH, and it visits strings and arrays one by one but skips an
+    array's numbers as a block.
     Mirrors ds4.c: skip_value (l. 952)"""
+    _check_depth(depth, what)
     if vtype in _SCALAR_DTYPE:
         v = c.scalar(_SCALAR_DTYPE[vtype], what)
         if vtype == GGUFValueType.BOOL:
@@ -144,10 +156,6 @@ def _read_value(c: _Cursor, vtype: int, what: str, depth: int = 0):
         return c.string(what), (GGUFValueType.STRING,)
     if vtype != GGUFValueType.ARRAY:
         raise GGUFError(f"{what}: unknown metadata value type {vtype}")
-    if depth > MAX_ARRAY_DEPTH:
-        raise GGUFError(
-            f"{what}: metadata arrays nested more than {MAX_ARRAY_DEPTH} levels deep"
-        )
     item = c.u32(f"{what} (array item type)")
     n = c.u64(f"{what} (array length)")
     if item in _SCALAR_DTYPE:
@@ -166,6 +174,8 @@ def _read_value(c: _Cursor, vtype: int, what: str, depth: int = 0):
         raise GGUFError(f"{what}: unknown array item type {item}")
     c.need(n * least, f"{what} ({n} array items)")
     if item == GGUFValueType.STRING:
+        if n:                      # ds4.c visits each string, one array deeper
+            _check_depth(depth + 1, f"{what}[0]")
         return c.strings(n, what), (GGUFValueType.ARRAY, GGUFValueType.STRING)
     values, sub = [], (GGUFValueType(item),)
     for i in range(n):

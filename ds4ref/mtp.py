@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ds4ref.arguments import file_path, integer, number
+from ds4ref.file_checks import check_architecture
 from ds4ref.ggml_types import GGMLType
 from ds4ref.gguf import GGUFError, GGUFFile
 from ds4ref.hc import hc_from_plain_embedding
@@ -100,6 +102,7 @@ def load_mtp(path, cfg) -> MTPWeights:
     Mirrors ds4.c: ds4_engine_open (l. 17201, model_open + mtp_weights_bind)"""
     g = GGUFFile(path)
     try:
+        check_architecture(g)
         return mtp_weights_bind(g, cfg)
     except BaseException:
         g.close()
@@ -296,16 +299,17 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
 
 
 def open_mtp_options(engine, path, draft_tokens: int, margin: float, bundled: bool):
-    """(MTPWeights or None, draft tokens clamped to [1, 16], margin) from Engine.open.
+    """(MTPWeights or None, draft tokens, margin) from Engine.open.
 
-    With no path the bundled model gets the bundled MTP GGUF (writer.default_mtp_path).
+    ds4.c's engine clamps the drafts into [1, 16] and takes a negative margin for its
+    default 3, and its CLI refuses drafts below 1 and margins outside [0, 1000]; here
+    anything outside those ranges is refused. With no path the bundled model gets the
+    bundled MTP GGUF (writer.default_mtp_path).
     Mirrors ds4.c: ds4_engine_open (l. 17165: drafts in [1, 16], margin default 3)"""
-    if isinstance(draft_tokens, bool) or int(draft_tokens) != draft_tokens:
-        raise MTPError(f"mtp_draft_tokens: expected an integer, got {draft_tokens!r}")
-    if not (isinstance(margin, (int, float, np.floating)) and np.isfinite(margin)):
-        raise MTPError(f"mtp_margin: expected a finite number, got {margin!r}")
-    n = min(max(int(draft_tokens), 1), 16)
-    margin = float(margin) if margin >= 0 else 3.0
+    n = integer("mtp_draft_tokens", draft_tokens, MTPError, 1, 16)
+    margin = number("mtp_margin", margin, MTPError, 0, 1000)
+    if path is not None:
+        path = file_path("mtp_path", path, MTPError)
     if path is None and bundled:
         from ds4ref.bundled import default_mtp_path
         path = default_mtp_path()

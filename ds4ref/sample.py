@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds4ref.arguments import integer, number
 from ds4ref.gguf import DS4RefError
 
 _MASK64 = (1 << 64) - 1
@@ -24,9 +25,8 @@ class SampleRNG:
     """
 
     def __init__(self, seed: int = 0):
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-            raise SamplingError(f"seed: expected an integer, got {type(seed).__name__}")
-        self.state = int(seed) & _MASK64
+        # the state is 64 bits: a wider seed is refused, not masked
+        self.state = integer("seed", seed, SamplingError, 0, _MASK64)
 
     def next_u64(self) -> int:
         """Advance the state and return the scrambled 64-bit output.
@@ -67,16 +67,23 @@ def _expf(x: np.ndarray) -> np.ndarray:
 
 
 def _check_params(temperature, top_k, top_p, min_p) -> None:
-    if not np.isfinite(temperature) or temperature < 0:
-        raise SamplingError(
-            f"temperature: must be finite and >= 0 (0 = greedy), got {temperature}"
-        )
-    if int(top_k) != top_k or top_k < 0:
-        raise SamplingError(f"top_k: must be an integer >= 0 (0 = off), got {top_k}")
-    if not (0.0 < top_p <= 1.0):
+    number("temperature (0 = greedy)", temperature, SamplingError, lo=0)
+    integer("top_k (0 = off)", top_k, SamplingError, lo=0)
+    if not 0 < number("top_p", top_p, SamplingError, 0, 1):
         raise SamplingError(f"top_p: must be in (0, 1], got {top_p}")
-    if not (0.0 <= min_p <= 1.0):
-        raise SamplingError(f"min_p: must be in [0, 1], got {min_p}")
+    number("min_p", min_p, SamplingError, 0, 1)
+
+
+def _logits_of(logits) -> np.ndarray:
+    """logits as a non-empty float32 vector, or SamplingError."""
+    try:
+        v = np.asarray(logits, dtype=np.float32)
+    except (ValueError, TypeError) as exc:
+        raise SamplingError(f"logits: not a vector of numbers ({exc})") from None
+    if v.ndim != 1 or v.size == 0:
+        raise SamplingError(f"logits: expected a non-empty 1-D vector, got shape "
+                            f"{v.shape}")
+    return v
 
 
 def _filter_sorted(probs: np.ndarray, top_p: np.float32, min_p: np.float32) -> int:
@@ -117,18 +124,17 @@ def sample(
 ) -> int:
     """Draw one token id from float32 `logits` [n_vocab] with ds4.c's filters and order.
 
-    temperature 0 is argmax; top_k 0 means the whole vocabulary; top_p in (0, 1]; min_p
-    in [0, 1].
+    temperature 0 is argmax; top_k 0 means the whole vocabulary, and above 1024 keeps
+    1024 (ds4.c's candidate buffer); top_p in (0, 1]; min_p in [0, 1].
     Mirrors ds4.c: sample_top_p_min_p (l. 15238) and sample_full_vocab (l. 15149)
     """
     _check_params(temperature, top_k, top_p, min_p)
-    v = np.asarray(logits, dtype=np.float32).reshape(-1)
-    if v.size == 0:
-        raise SamplingError("logits: empty vector")
+    v = _logits_of(logits)
     if temperature == 0:
         return sample_argmax(v)
-    if rng is None:
-        raise SamplingError("rng: a SampleRNG is needed when temperature > 0")
+    if not isinstance(rng, SampleRNG):
+        raise SamplingError(f"rng: a SampleRNG is needed when temperature > 0, got "
+                            f"{rng!r}")
     T, top_p, min_p = np.float32(temperature), np.float32(top_p), np.float32(min_p)
     ids = np.flatnonzero(np.isfinite(v))
     if len(ids) == 0:
@@ -186,12 +192,11 @@ def argmax_excluding(logits: np.ndarray, excluded_id: int) -> int:
     """First maximum of logits [n_vocab] over all ids but excluded_id; -1 if none left.
 
     Mirrors ds4.c: ds4_session_argmax_excluding (l. 17624)"""
-    v = np.asarray(logits, dtype=np.float32).reshape(-1)
-    if isinstance(excluded_id, bool) or int(excluded_id) != excluded_id:
-        raise SamplingError(f"excluded_id: expected an integer id, got {excluded_id!r}")
+    v = _logits_of(logits)
+    excluded_id = integer("excluded_id", excluded_id, SamplingError)
     keep = np.ones(len(v), bool)
-    if 0 <= int(excluded_id) < len(v):
-        keep[int(excluded_id)] = False
+    if 0 <= excluded_id < len(v):
+        keep[excluded_id] = False
     if not keep.any():
         return -1
     ids = np.flatnonzero(keep)              # ds4.c: the first kept id starts as best,
@@ -207,9 +212,8 @@ def token_logprob(logits: np.ndarray, token: int) -> tuple[int, float, float]:
     log p = logit - (max + log sum exp(l - max)); non-finite logits are left out of the
     sum, which runs in float64, as ds4.c's.
     Mirrors ds4.c: ds4_session_token_logprob (l. 17680)"""
-    v = np.asarray(logits, dtype=np.float32).reshape(-1)
-    if isinstance(token, bool) or int(token) != token or not 0 <= int(token) < len(v):
-        raise SamplingError(f"token {token!r}: out of range [0, {len(v)})")
+    v = _logits_of(logits)
+    token = integer("token", token, SamplingError, 0, len(v) - 1)
     fin = v[np.isfinite(v)].astype(np.float64)
     if fin.size == 0:
         raise SamplingError("token_logprob: no finite logit")

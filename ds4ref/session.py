@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ds4ref.kvcache import KVCache, kv_cache_bytes
+from ds4ref.arguments import file_path, integer
+from ds4ref.kvcache import KVCache
 from ds4ref.sample import SampleRNG, SamplingError, sample, sample_argmax
 from ds4ref.session_state import (  # noqa: F401
     MAX_CACHE_BYTES,
@@ -19,8 +20,11 @@ from ds4ref.session_state import (  # noqa: F401
     SessionError,
     Snapshot,
     TokenRangeError,
-    _flatten,
-    _unflatten,
+    check_ctx_size,
+    check_snapshot,
+    read_session,
+    session_arrays,
+    session_header,
 )
 from ds4ref.trace import NO_TRACE, Hooks, Trace, check_decisions
 
@@ -33,21 +37,13 @@ class SessionBase:
     def __init__(
         self, engine, ctx_size: int = 1024, force_decisions: dict | None = None
     ):
-        if (
-            isinstance(ctx_size, bool)
-            or not isinstance(ctx_size, (int, np.integer))
-            or ctx_size < 2
-        ):
-            raise SessionError(f"ctx_size: must be an integer >= 2, got {ctx_size!r}")
-        need = kv_cache_bytes(engine.cfg, int(ctx_size))["total"]
-        if need > MAX_CACHE_BYTES:
-            raise ContextOverflowError(
-                f"ctx_size {ctx_size}: the KV cache would take {need / 2**30:.1f} GiB "
-                f"(limit {MAX_CACHE_BYTES / 2**30:.0f} GiB, MAX_CACHE_BYTES)"
-            )
+        self.ctx_size = check_ctx_size(engine.cfg, ctx_size)
+        if force_decisions is not None and not isinstance(force_decisions, dict):
+            raise SessionError(
+                "force_decisions: expected a dict of recorded decisions or None, got "
+                f"{type(force_decisions).__name__}")
         check_decisions(engine.cfg, force_decisions)
         self.engine, self.cfg = engine, engine.cfg
-        self.ctx_size = int(ctx_size)
         self.force = force_decisions
         # set to a Trace to capture the next computations (NO_TRACE: none)
         self.trace: Trace = NO_TRACE
@@ -79,13 +75,19 @@ class SessionBase:
         v.flags.writeable = False
         return v
 
-    def _check_tokens(self, tokens) -> list[int]:
-        arr = np.asarray(tokens)
+    # -- checks ------------------------------------------------------------------------
+    def _check_tokens(self, tokens, empty_ok: bool = False) -> list[int]:
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError) as exc:       # ragged nesting, odd objects
+            raise SessionError(f"tokens: not a sequence of ids ({exc})") from None
         if arr.ndim != 1:
             raise SessionError(
                 f"tokens: expected a 1-D sequence of ids, got shape {arr.shape}"
             )
         if arr.size == 0:
+            if empty_ok:
+                return []
             raise EmptyPromptError("tokens: the prompt is empty")
         if not np.issubdtype(arr.dtype, np.integer):
             raise TokenRangeError(
@@ -124,8 +126,8 @@ class SessionBase:
         Mirrors ds4.c: ds4_session_common_prefix (l. 17612)
         """
         n = 0
-        for a, b in zip(self.tokens, tokens):
-            if a != int(b):
+        for a, b in zip(self.tokens, self._check_tokens(tokens, empty_ok=True)):
+            if a != b:
                 break
             n += 1
         return n
@@ -137,6 +139,7 @@ class SessionBase:
             None if self._logits is None else self._logits.copy(),
             self._cache.copy(),
             self.ctx_size,
+            self.cfg,
         )
 
     def restore(self, snap: Snapshot) -> None:
@@ -144,45 +147,31 @@ class SessionBase:
 
         Mirrors ds4.c: ds4_session_load_snapshot (l. 16698)
         """
-        if not isinstance(snap, Snapshot):
-            raise SessionError(
-                f"restore: expected a Snapshot, got {type(snap).__name__}"
-            )
-        if snap.ctx_size != self.ctx_size:
-            raise SessionError(
-                f"restore: snapshot ctx_size {snap.ctx_size} != session ctx_size "
-                f"{self.ctx_size}"
-            )
+        check_snapshot(snap, self.cfg, self.ctx_size)
         self._cache = snap.cache.copy()
         self._tokens = list(snap.tokens)
         self._logits = None if snap.logits is None else snap.logits.copy()
         self._valid = bool(snap.tokens)
 
     def save(self, path) -> None:
-        """Write the session's state (tokens, logits, cache arrays) to an .npz, no
-        pickles.
+        """Write the session's state (tokens, logits, the cache rows its tokens wrote
+        and the compressor states) to an .npz, no pickles.
 
-        The file is ds4ref's own format ("ds4ref-session-1"), read back by `load`; it is
+        The file is ds4ref's own format (SESSION_FORMAT), read back by `load`; it is
         not the byte layout of ds4.c's session payload, and neither reads the other's.
         Mirrors ds4.c: ds4_session_save_payload (l. 16132), in role only
         """
-        arrays = {
-            "tokens": np.array(self.tokens, dtype=np.int64),
-            "logits": np.zeros(0, np.float32) if self._logits is None else self._logits,
-        }
+        path = file_path("save: path", path, SessionError)
         host = self._cache.map(self.engine.backend.download)
-        for key, value in _flatten(host, "cache").items():
-            arrays[key] = value
-        header = {
-            "format": "ds4ref-session-1",
-            "ctx_size": self.ctx_size,
-            "n_layer": self.cfg.n_layer,
-            "n_vocab": self.cfg.n_vocab,
-            "n_embd": self.cfg.n_embd,
-        }
-        arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-        with open(path, "wb") as f:
-            np.savez(f, **arrays)
+        arrays = session_arrays(self.tokens, self._logits, host)
+        header = json.dumps(session_header(self.cfg, self.ctx_size)).encode()
+        arrays["header"] = np.frombuffer(header, dtype=np.uint8)
+        try:
+            with open(path, "wb") as f:
+                np.savez(f, **arrays)
+        except OSError as exc:
+            raise SessionError(
+                f"save {path}: cannot write it ({exc.strerror})") from None
 
     def load(self, path) -> None:
         """Replace the session's state by one written with save(); checks it fits this
@@ -190,33 +179,19 @@ class SessionBase:
 
         Mirrors ds4.c: ds4_session_load_payload (l. 16327)
         """
+        path = file_path("load: path", path, SessionError)
         try:
-            z = np.load(path, allow_pickle=False)
-            header = json.loads(bytes(z["header"]).decode())
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            header = json.loads(bytes(arrays.pop("header")).decode())
         except Exception as exc:
             raise SessionError(
                 f"load {path}: not a ds4ref session file ({exc})"
-            ) from exc
-        want = {
-            "format": "ds4ref-session-1",
-            "ctx_size": self.ctx_size,
-            "n_layer": self.cfg.n_layer,
-            "n_vocab": self.cfg.n_vocab,
-            "n_embd": self.cfg.n_embd,
-        }
-        for k, v in want.items():
-            if header.get(k) != v:
-                raise SessionError(
-                    f"load {path}: {k} is {header.get(k)!r}, this session needs {v!r}"
-                )
-        cache = KVCache(self.cfg, self.ctx_size)
-        _unflatten(
-            cache, "cache", {k: z[k] for k in z.files if k.startswith("cache.")}, path
-        )
-        tokens = [int(t) for t in z["tokens"]]
-        logits = np.array(z["logits"], dtype=np.float32)
+            ) from None
+        tokens, logits, cache = read_session(arrays, header, self.cfg, self.ctx_size,
+                                             path)
         self._cache, self._tokens = cache.map(self.engine.backend.upload), tokens
-        self._logits = logits if logits.size else None
+        self._logits = logits
         self._valid = bool(tokens)
 
     def argmax(self) -> int:
@@ -253,15 +228,12 @@ class SessionBase:
     def _check_speculative(self, first_token, max_tokens, eos_token) -> None:
         """eval_speculative_argmax's arguments against this session's state, before
         anything changes (SessionError, TokenRangeError, ContextOverflowError)."""
-        n = max_tokens
-        if isinstance(n, bool) or int(n) != n or n < 1:
-            raise SessionError(f"max_tokens: expected an integer >= 1, got {n!r}")
+        integer("max_tokens", max_tokens, SessionError, lo=1)
         V = self.cfg.n_vocab
         for name, t in (("first_token", first_token), ("eos_token", eos_token)):
             if t is None and name == "eos_token":
                 continue
-            if isinstance(t, bool) or int(t) != t or not 0 <= int(t) < V:
-                raise TokenRangeError(f"{name} {t!r}: out of range [0, {V})")
+            integer(name, t, TokenRangeError, 0, V - 1)
         if not self._valid:
             raise SessionError("eval_speculative_argmax: sync a prompt first")
         if self.force is not None:
@@ -288,8 +260,7 @@ class SessionBase:
 
         Mirrors ds4.c: ds4_session_top_logprobs (l. 17643)
         """
-        if int(k) != k or k <= 0:
-            raise SessionError(f"top_logprobs: k must be a positive integer, got {k}")
+        k = integer("top_logprobs: k", k, SessionError, lo=1)
         v = np.asarray(self.logits)
         fin = np.isfinite(v)
         if not fin.any():
@@ -321,6 +292,9 @@ class Session(SessionBase):
         Mirrors ds4.c: ds4_session_sync (l. 17416)
         """
         toks = self._check_tokens(tokens)
+        if progress is not None and not callable(progress):
+            raise SessionError(
+                f"progress: expected a callable or None, got {progress!r}")
         live = self.tokens
         if self._valid and len(toks) >= len(live) and toks[:len(live)] == live:
             new = toks[len(live):]
@@ -364,14 +338,7 @@ class Session(SessionBase):
 
         Mirrors ds4.c: ds4_session_eval (l. 17779)
         """
-        if isinstance(token, (bool, np.bool_)) or not isinstance(
-            token, (int, np.integer)
-        ):
-            raise TokenRangeError(f"token: expected an integer id, got {token!r}")
-        if not 0 <= token < self.cfg.n_vocab:
-            raise TokenRangeError(
-                f"token {token}: out of range [0, {self.cfg.n_vocab})"
-            )
+        token = integer("token", token, TokenRangeError, 0, self.cfg.n_vocab - 1)
         if self.pos + 1 >= self.ctx_size:
             raise ContextOverflowError(
                 f"eval: position {self.pos} would fill ctx_size {self.ctx_size} (a "
@@ -386,10 +353,7 @@ class Session(SessionBase):
 
         Mirrors ds4.c: ds4_session_rewind (l. 18391), made exact by rebuilding the cache
         """
-        if int(pos) != pos or not 0 <= pos <= self.pos:
-            raise SessionError(
-                f"rewind: pos must be an integer in [0, {self.pos}], got {pos}"
-            )
+        pos = integer("rewind: pos", pos, SessionError, 0, self.pos)
         if pos == self.pos:
             return
         if pos == 0:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4ref.arguments import file_path, number
 from ds4ref.gguf import DS4RefError
 
 
@@ -88,11 +89,11 @@ def open_steering(cfg, path=None, attn: float = 0.0, ffn: float | None = None):
     without a file are an error; a file with both scales 0 is not even read.
     Mirrors ds4.c: ds4_engine_open (l. 17165, its steering checks),
     cpu_load_directional_steering (l. 14419) and ds4_cli.c's default FFN scale"""
-    for name, v in (("steering_attn", attn), ("steering_ffn", ffn)):
-        if v is not None and not (isinstance(v, (int, float, np.floating))
-                                  and np.isfinite(v) and -100 <= v <= 100):
-            raise SteeringError(f"{name}: expected a finite number in [-100, 100], "
-                                f"got {v!r}")
+    attn = number("steering_attn", attn, SteeringError, -100, 100)
+    if ffn is not None:
+        ffn = number("steering_ffn", ffn, SteeringError, -100, 100)
+    if path is not None:
+        path = file_path("steering_file", path, SteeringError)
     if ffn is None:
         ffn = 1.0 if path else 0.0
     if not path:

@@ -7,11 +7,25 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable, Sequence
 
+from ds4ref.arguments import integer
 from ds4ref.gguf import DS4RefError
 
 
 class TokenizerError(DS4RefError, ValueError):
     """The vocabulary is unusable or an id is out of range (the message names it)."""
+
+
+def _text(name: str, text) -> str:
+    """text if it is a str that UTF-8 can encode (no lone surrogates), else
+    TokenizerError."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"{name}: expected a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(f"{name}: not encodable as UTF-8 ({e.reason} at "
+                             f"character {e.start})") from None
+    return text
 
 
 SPECIAL_TOKENS = {
@@ -264,13 +278,15 @@ class Tokenizer:
 
         Mirrors ds4.c: ds4_tokenize_text (l. 14864)
         """
-        return [t for piece in pretokenize(text) for t in self.bpe(piece)]
+        pieces = pretokenize(_text("text", text))
+        return [t for piece in pieces for t in self.bpe(piece)]
 
     def encode_rendered_chat(self, text: str) -> list[int]:
         """Token ids of text in which the seven special tokens' texts become their ids.
 
         Mirrors ds4.c: tokenize_rendered_chat_vocab (l. 14902)
         """
+        text = _text("text", text)
         out, span, p = [], 0, 0
         specials = [(t, self.token_to_id[t]) for t in SPECIAL_TOKENS.values()]
         while p < len(text):
@@ -293,6 +309,8 @@ class Tokenizer:
         """
         if think not in THINK_MODES:
             raise TokenizerError(f"think: expected one of {THINK_MODES}, got {think!r}")
+        prompt = _text("prompt", prompt)
+        system = None if system is None else _text("system", system)
         out = [self.bos_id]
         if think == "max":
             out += self.encode(REASONING_EFFORT_MAX_PREFIX)
@@ -309,9 +327,7 @@ class Tokenizer:
 
         Mirrors ds4.c: ds4_token_text (l. 15047)
         """
-        if not 0 <= int(token) < self.n_vocab:
-            raise TokenizerError(f"token id {token}: out of range [0, {self.n_vocab})")
-        t = self.tokens[int(token)]
+        t = self.tokens[integer("token id", token, TokenizerError, 0, self.n_vocab - 1)]
         if "｜" in t:
             return t.encode()
         return bytes(CHAR_TO_BYTE[c] for c in t if c in CHAR_TO_BYTE)
@@ -359,8 +375,7 @@ def think_mode_for_context(mode: str, ctx_size: int) -> str:
     Mirrors ds4.c: ds4_think_mode_for_context (l. 15656)"""
     if mode not in THINK_MODES:
         raise TokenizerError(f"think mode: expected one of {THINK_MODES}, got {mode!r}")
-    if isinstance(ctx_size, bool) or int(ctx_size) != ctx_size:
-        raise TokenizerError(f"ctx_size: expected an integer, got {ctx_size!r}")
-    if mode == "max" and max(int(ctx_size), 0) < THINK_MAX_MIN_CONTEXT:
+    ctx_size = integer("ctx_size", ctx_size, TokenizerError)
+    if mode == "max" and max(ctx_size, 0) < THINK_MAX_MIN_CONTEXT:
         return "high"
     return mode

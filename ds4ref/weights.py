@@ -7,13 +7,11 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ds4ref.config import ModelConfig
-from ds4ref.ggml_types import GGML_BLOCK, GGMLType
-from ds4ref.gguf import (
-    GGUFError,
-    GGUFFile,
-    GGUFValueType,
-    TensorInfo,
+from ds4ref.file_checks import (  # noqa: F401
+    SPECIAL_TOKENS, check_architecture, check_tokenizer_metadata, tensor_layer,
 )
+from ds4ref.ggml_types import GGML_BLOCK, GGMLType
+from ds4ref.gguf import GGUFError, GGUFFile, TensorInfo
 
 T = GGMLType
 # ds4.c: tensor_is_routed_expert_type (l. 2295)
@@ -338,13 +336,10 @@ def bind_weights(g: GGUFFile, cfg: ModelConfig) -> Weights:
     Mirrors ds4.c: weights_bind (l. 2650) + weights_validate_layout (l. 2357)"""
     # a file with more layers than block_count says is not this model
     for name in g.tensors:
-        if (
-            name.startswith("blk.")
-            and name.split(".")[1].isdigit()
-            and int(name.split(".")[1]) >= cfg.n_layer
-        ):
+        il = tensor_layer(name)
+        if il is not None and il >= cfg.n_layer:
             raise GGUFError(
-                f"tensor '{name}': layer {name.split('.')[1]} is outside the model's "
+                f"tensor '{name}': layer {il} is outside the model's "
                 f"{cfg.n_layer} layers (deepseek4.block_count)"
             )
     top: dict = {}
@@ -370,36 +365,6 @@ def bind_weights(g: GGUFFile, cfg: ModelConfig) -> Weights:
     return Weights(**top, layers=tuple(LayerWeights(**kw) for kw in layer_kw))
 
 
-SPECIAL_TOKENS = (
-    "<｜begin▁of▁sentence｜>",
-    "<｜end▁of▁sentence｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-    "<think>",
-    "</think>",
-    "｜DSML｜",
-)
-
-
-def check_tokenizer_metadata(g: GGUFFile) -> None:
-    """The tokenizer keys ds4.c needs: token and merge string arrays, and its seven
-    special tokens.
-
-    Mirrors ds4.c: vocab_load (l. 14789)"""
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-        if key not in g.metadata:
-            raise GGUFError(f"metadata key '{key}': required key is missing")
-        if g.metadata_types[key] != (GGUFValueType.ARRAY, GGUFValueType.STRING):
-            raise GGUFError(f"metadata key '{key}': expected an array of STRING, "
-                            f"got {'/'.join(x.name for x in g.metadata_types[key])}")
-    tokens = set(g.metadata["tokenizer.ggml.tokens"])
-    for s in SPECIAL_TOKENS:
-        if s not in tokens:
-            raise GGUFError(
-                f"metadata key 'tokenizer.ggml.tokens': required token {s!r} is missing"
-            )
-
-
 def load_model(path) -> tuple[GGUFFile, ModelConfig, Weights]:
     """Open a DS4 GGUF, read its config and bind its weights, checking everything ds4.c
     checks at load.
@@ -408,8 +373,10 @@ def load_model(path) -> tuple[GGUFFile, ModelConfig, Weights]:
     Mirrors ds4.c: ds4_engine_open (l. 17165)"""
     g = GGUFFile(path)
     try:
+        check_architecture(g)
         check_tokenizer_metadata(g)
         cfg = ModelConfig.from_gguf(g)
+        check_tokenizer_metadata(g, cfg.n_vocab)
         return g, cfg, bind_weights(g, cfg)
     except BaseException:
         g.close()

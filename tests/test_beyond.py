@@ -92,7 +92,7 @@ def test_token_logprob_against_fsum(golden_A):
         want = np.float32(float(v[t]) - logsum)
         assert (tid, logit) == (t, float(v[t]))
         assert abs(np.float32(lp) - want) <= abs(np.spacing(want))
-    with pytest.raises(SamplingError, match="out of range"):
+    with pytest.raises(SamplingError, match=r"token: expected an integer in \[0, 1023\], got 1024"):
         token_logprob(v, len(v))
 
 
@@ -426,7 +426,7 @@ def test_speculative_errors(oracle_dir):
     s.sync([0, 4])
     with pytest.raises(SessionError, match="max_tokens"):
         s.eval_speculative_argmax(1, 0)
-    with pytest.raises(TokenRangeError, match="first_token 300"):
+    with pytest.raises(TokenRangeError, match=r"first_token: expected an integer in \[0, "):
         s.eval_speculative_argmax(300, 2)
     assert s.tokens == [0, 4]
     plain = Engine.open(oracle_dir / "dev_seed1.gguf")
@@ -437,12 +437,16 @@ def test_speculative_errors(oracle_dir):
 
 
 def test_mtp_options(oracle_dir):
+    """ds4.c's engine clamps the drafts into [1, 16] and takes a negative margin for 3; its
+    CLI refuses drafts below 1 and margins outside [0, 1000]. ds4ref refuses all of those."""
     from ds4ref.mtp import MTPError
-    assert Engine.open(mtp_draft_tokens=99).mtp_draft_tokens == 16
-    assert Engine.open(mtp_draft_tokens=0).mtp_draft_tokens == 1
-    assert Engine.open(mtp_margin=-1).mtp_margin == 3.0
-    with pytest.raises(MTPError, match="mtp_draft_tokens"):
-        Engine.open(mtp_draft_tokens=2.5)
+    e = Engine.open(mtp_draft_tokens=16, mtp_margin=0)
+    assert (e.mtp_draft_tokens, e.mtp_margin) == (16, 0.0)
+    for kw in (dict(mtp_draft_tokens=99), dict(mtp_draft_tokens=0), dict(mtp_draft_tokens=2.5)):
+        with pytest.raises(MTPError, match=r"mtp_draft_tokens: expected an integer in \[1, 16\]"):
+            Engine.open(**kw)
+    with pytest.raises(MTPError, match=r"mtp_margin: expected a finite number in \[0, 1000\]"):
+        Engine.open(mtp_margin=-1)
 
 
 def test_cli_speculative_greedy_prints_plain_greedy_text():

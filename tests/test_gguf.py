@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ds4ref
-from ds4ref.config import ModelConfig, config_from_metadata
+from ds4ref.config import ModelConfig, config_from_metadata, layer_compress_ratio
 from ds4ref.gguf import GGMLType, GGUFError, GGUFFile, GGUFValueType as V, type_nbytes
 from ds4ref.weights import bind_weights, check_tokenizer_metadata, load_model, tensor_specs
 from ds4ref.dev.writer import (
@@ -169,6 +169,14 @@ def test_real_config_is_ds4c_enum():
     (dict(rope_freq_base=10001.0), "rope.freq_base': expected 10000, got 10001"),
     (dict(swiglu_clamp=7.0), "swiglu_clamp_exp': expected 10, got 7"),
     (dict(n_expert_used=17), "17 used experts out of 16"),
+    (dict(hc_sinkhorn_iter=2**31), "sinkhorn_iterations': expected 20 as ds4.c, got 2147483648"),
+    (dict(n_hc=3), "hyper_connection.count': expected 4 as ds4.c, got 3"),
+    (dict(n_rot=128), "rope.dimension_count': expected 64 as ds4.c, got 128"),
+    (dict(n_swa=4096), "attention.sliding_window': 4096 is more than ds4.c's 128"),
+    (dict(indexer_top_k=513), "attention.indexer.top_k': 513 is more than ds4.c's 512"),
+    (dict(n_layer=44, compress_ratios=tuple(layer_compress_ratio(i) for i in range(44))),
+     "block_count': 44 is more than ds4.c's 43"),
+    (dict(n_vocab=2**32 - 1), "vocab_size': 4294967295 is more than ds4.c's 129280"),
 ])
 def test_inconsistent_config_is_refused_naming_the_key(change, message):
     with pytest.raises(GGUFError, match=message.replace("(", r"\(")):
@@ -422,16 +430,46 @@ def test_absurd_array_and_string_lengths_fail_fast(tmp_path):
         _reads(bytes(raw))
 
 
-def test_nested_arrays_too_deep(tmp_path):
-    value, vtype = [1], (V.ARRAY, V.UINT8)
-    for _ in range(10):
+NEST_ITEMS = [(t, (t,), True if t == V.BOOL else 1) for t in V
+              if t not in (V.STRING, V.ARRAY)]
+NEST_ITEMS += [(V.STRING, (V.STRING,), "x"), (V.ARRAY, (V.ARRAY, V.UINT8), [])]
+
+
+def _nested(levels: int, item_vtype: tuple, item):
+    value, vtype = [item], (V.ARRAY,) + item_vtype
+    for _ in range(levels - 1):
         value, vtype = [value], (V.ARRAY,) + vtype
+    return value, vtype
+
+
+@pytest.mark.parametrize("levels", [8, 9, 10])
+@pytest.mark.parametrize("item_type, item_vtype, item", NEST_ITEMS,
+                         ids=[t.name for t, _, _ in NEST_ITEMS])
+def test_nesting_is_bounded_as_ds4c_skip_value(tmp_path, levels, item_type, item_vtype, item):
+    """ds4.c's skip_value (l. 952) refuses a value it visits inside more than 8 arrays; it visits
+    strings and arrays one by one but skips an array's numbers as one block. So an item inside 8
+    arrays always reads; inside 9 only numbers do (their array is inside 8); inside 10 nothing."""
+    value, vtype = _nested(levels, item_vtype, item)
     p = _small_gguf(tmp_path, extra_meta=[("deep", vtype, value)])
-    with pytest.raises(GGUFError, match="metadata key 'deep'.*nested more than 8 levels"):
-        GGUFFile(p)
-    ok = _small_gguf(tmp_path, extra_meta=[("deep", vtype[3:], value[0][0][0])], name="ok.gguf")
-    with GGUFFile(ok) as g:
-        assert g.metadata["deep"] == value[0][0][0]
+    if levels == 8 or (levels == 9 and item_type not in (V.STRING, V.ARRAY)):
+        with GGUFFile(p) as g:
+            assert g.metadata["deep"] == value and g.metadata_types["deep"] == vtype
+    else:
+        with pytest.raises(GGUFError, match=r"metadata key 'deep'(\[0\])+: metadata value "
+                                            r"nested (9|10) arrays deep \(at most 8\)"):
+            GGUFFile(p)
+
+
+def test_nine_arrays_of_empty_string_arrays_read_as_in_ds4c(tmp_path):
+    """ds4.c visits no string of an empty string array, so its depth is never checked."""
+    value, vtype = _nested(9, (V.STRING,), "x")
+    inner = value
+    for _ in range(8):
+        inner = inner[0]
+    inner.clear()                                    # the innermost array is now empty
+    p = _small_gguf(tmp_path, extra_meta=[("deep", vtype, value)])
+    with GGUFFile(p) as g:
+        assert g.metadata["deep"] == value
 
 
 def test_bad_metadata_values(tmp_path):
@@ -530,6 +568,11 @@ def _set_key(key, vtype, value):
     return lambda meta: [(k, vtype, value) if k == key else (k, t, v) for k, t, v in meta]
 
 
+def _rename(name, new):
+    return lambda tensors: [dataclasses.replace(t, name=new) if t.name == name else t
+                            for t in tensors]
+
+
 def _retype(name, ggml_type, shape=None):
     def edit(tensors):
         out = []
@@ -558,6 +601,22 @@ def _retype(name, ggml_type, shape=None):
     (_set_key("deepseek4.expert_weights_scale", (V.FLOAT32,), 1.25), None, "'deepseek4.expert_weights_scale': expected 1.5, got 1.25"),
     (lambda m: m + [("deepseek4.expert_group_count", (V.UINT32,), 8)], None, "'deepseek4.expert_group_count': expected 0"),
     (_set_key("tokenizer.ggml.tokens", (V.ARRAY, V.STRING), ["a"] * 300), None, "required token '<｜begin▁of▁sentence｜>' is missing"),
+    (_set_key("general.architecture", (V.STRING,), "llama"), None, "'general.architecture': expected 'deepseek4', got 'llama'"),
+    (_set_key("general.architecture", (V.UINT32,), 4), None, "'general.architecture': expected a STRING, got UINT32"),
+    (_drop_key("general.architecture"), None, "'general.architecture': required key is missing"),
+    (_set_key("deepseek4.hyper_connection.sinkhorn_iterations", (V.UINT32,), 2**31), None,
+     "'deepseek4.hyper_connection.sinkhorn_iterations': expected 20 as ds4.c, got 2147483648"),
+    (_set_key("deepseek4.attention.sliding_window", (V.UINT32,), 2**32 - 1), None,
+     "'deepseek4.attention.sliding_window': 4294967295 is more than ds4.c's 128"),
+    (lambda m: _set_key("tokenizer.ggml.tokens", (V.ARRAY, V.STRING),
+                        dict((k, v) for k, _, v in m)["tokenizer.ggml.tokens"] + ["extra"])(m),
+     None, "'tokenizer.ggml.tokens': 301 tokens, but deepseek4.vocab_size is 300"),
+    (None, _rename("blk.2.exp_probs_b.bias", "blk.².exp_probs_b.bias"),
+     "tensor 'blk.².exp_probs_b.bias': layer number '²' is not written in ASCII digits"),
+    (None, _rename("blk.2.exp_probs_b.bias", "blk.x.exp_probs_b.bias"),
+     "tensor 'blk.x.exp_probs_b.bias': layer number 'x' is not written in ASCII digits"),
+    (None, _rename("blk.2.exp_probs_b.bias", "blk.99999999999999999999.exp_probs_b.bias"),
+     "layer 99999999999999999999 is outside the model's 3 layers"),
     (None, lambda ts: [t for t in ts if t.name != "blk.2.indexer.proj.weight"], "tensor 'blk.2.indexer.proj.weight': required tensor is missing"),
     (None, lambda ts: [t for t in ts if t.name != "blk.0.ffn_gate_tid2eid.weight"], "tensor 'blk.0.ffn_gate_tid2eid.weight': required tensor is missing"),
     (None, _retype("blk.1.attn_q_b.weight", GGMLType.F16), "tensor 'blk.1.attn_q_b.weight': expected type Q8_0, got F16"),
