@@ -250,4 +250,4 @@ def test_cli_prints_no_rate_for_one_token_and_no_seed_when_greedy():
 
 def test_cli_refuses_an_empty_stop_string():
     rc, out, err = run_cli("-p", "Hi", "--stop", "")
-    assert rc == 2 and err == ["ds4ref: stop: expected non-empty strings, got ['']"]
+    assert rc == 2 and err == ["python -m ds4ref: error: stop: expected non-empty strings, got ['']"]

@@ -54,7 +54,7 @@ def _child(target, path, w: int, memory: int, cpu: float) -> None:
     """In the forked child: limit the address space and the CPU time, run target(path),
     report one [outcome, detail] line on the pipe, and exit without returning."""
     from ds4ref.gguf import DS4RefError
-    null = os.open(os.devnull, os.O_WRONLY)   # the report is the pipe's line, not stderr
+    null = os.open(os.devnull, os.O_WRONLY)   # the report is the pipe's line
     os.dup2(null, 2)
     try:
         try:
@@ -64,7 +64,8 @@ def _child(target, path, w: int, memory: int, cpu: float) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (mapped + memory, mapped + memory))
             # CPU seconds, not wall seconds: on a busy machine a niced child may wait
             # minutes for the CPU; SIGXCPU ends a busy loop all the same
-            resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(cpu), math.ceil(cpu) + 1))
+            soft = math.ceil(cpu)
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1))
         except (ImportError, OSError, ValueError):
             pass
         out = ["accepted", str(target(path))]
