@@ -176,7 +176,7 @@ def bench_matvec(
 
 
 def main(argv=None) -> int:
-    """`python -m ds4ref.dev.bench {matvec,engine,all}`."""
+    """`python -m ds4ref.dev.bench {matvec,engine,profile,all}`."""
     p = argparse.ArgumentParser(prog="python -m ds4ref.dev.bench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("matvec", help="matvec kernels at ds4's shapes, per backend")
@@ -195,6 +195,8 @@ def main(argv=None) -> int:
             "pass through)"
         ),
     )
+    sub.add_parser("profile", add_help=False,
+                   help="numba's decode call by call at the seam (ds4ref.dev.profile)")
     sub.add_parser("all", help="matvec, then engine")
     args, rest = p.parse_known_args(argv)
     if args.cmd in ("matvec", "all"):
@@ -215,6 +217,9 @@ def main(argv=None) -> int:
             print(f"engine benchmark unavailable: {e}", file=sys.stderr)
             return 1
         bench_engine.main(rest)
+    if args.cmd == "profile":
+        from ds4ref.dev import profile
+        profile.main(rest)
     return 0
 
 
