@@ -180,7 +180,20 @@ def test_a_sync_that_always_rebuilds_is_caught_at_the_first_extension(tmp_path):
         f"step 0: sync(the transcript + greedy token {int(g['greedy_tokens'][0])}): "
         "tokens computed")
     assert r.message.endswith(f"expected 1, got {len(g['prompt_ids']) + 1} (must be "
-                              "equal; 1 of 1 differ)")
+                              "equal)")
+
+
+def test_a_directory_read_without_its_alignment_padding_names_the_offset(tmp_path):
+    import gguf
+    nb = written(tmp_path, "01", "GGUFFile._parse",
+                 "self.data_offset = -(-c.pos // self.alignment) * self.alignment",
+                 "self.data_offset = c.pos")
+    r = check("01", nb)[0]
+    t = gguf.GGUFReader(data_path("oracle") / "dev_seed1.gguf").tensors[0]
+    assert r.status == "differs"
+    assert r.message.startswith(f"tensor {t.name!r} (type, shape, offset, nbytes): "
+                                "first difference at the data offset: expected "
+                                f"{int(t.data_offset)}, got "), r.message
 
 
 def test_the_command_line(tmp_path):
@@ -205,3 +218,25 @@ def test_unknown_chapter_and_unexported_marks_are_named():
         chapter_path("99")
     with pytest.raises(LearnError, match="no such function"):
         learn.stub_source("def f():\n    pass\n", "m", "g", "04")
+
+
+def test_in_the_learners_kernel_their_function_replaces_the_books(tmp_path,
+                                                                  monkeypatch):
+    """Once its cell has run, a later `from ds4ref.norms import rms_norm_weight` in the
+    learner's notebook gets theirs; unwritten, it still computes the book's."""
+    import types
+
+    import ds4ref.norms as norms
+    book = norms.rms_norm_weight
+    monkeypatch.setattr(norms, "rms_norm_weight", book)      # restored afterwards
+    nb = json.loads(make("04", tmp_path / "04.ipynb").read_text())
+    kernel = types.ModuleType("learn_kernel")
+    monkeypatch.setitem(sys.modules, kernel.__name__, kernel)
+    for c in nb["cells"]:
+        src = "".join(c["source"])
+        if c.get("id") == "learn-helper" or "learn:rms_norm_weight" in str(c["metadata"]):
+            exec(src, kernel.__dict__)
+    from ds4ref.norms import rms_norm_weight as later
+    assert later is kernel.rms_norm_weight is not book
+    x, w = np.arange(1, 9, dtype=np.float32), np.full(8, 0.5, np.float32)
+    assert np.array_equal(later(x, w), book(x, w))

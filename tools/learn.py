@@ -12,7 +12,8 @@ or the book's pages make of it.
 `make` copies the chapter (outputs cleared) and replaces each marked function's body,
 after its docstring, by a stub that raises NotImplementedError; a first code cell
 defines `exercise`, the decorator that runs the book's version (ds4ref's) while the
-stub is still there, saying so once. The reference solutions are the chapters.
+stub is still there, saying so once, and puts the learner's function into ds4ref for
+the later cells of their notebook. The reference solutions are the chapters.
 
 `check` runs the learner notebook's export cells (nothing else) in a fresh namespace
 and compares each marked function, op by op, with ds4.c's recorded values (data/oracle)
@@ -44,11 +45,25 @@ import functools
 import importlib
 
 STRICT = set()    # names that must not fall back (the check sets them)
-_told = set()
+INSTALL = True    # later cells' `from ds4ref... import` get the learner's functions
+_told, _book = set(), {{}}
+
+
+def book_version(module, qualname):
+    """(owner, name, the book's function): the first one seen, before any install."""
+    if (module, qualname) not in _book:
+        owner = importlib.import_module("ds4ref." + module)
+        *path, name = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        _book[module, qualname] = owner, name, getattr(owner, name)
+    return _book[module, qualname]
 
 
 def exercise(module, qualname):
-    """Run the learner's function; while it is a stub, run ds4ref's and say so once."""
+    """Run the learner's function; while it is a stub, run the book's, saying so once."""
+    owner, name, book = book_version(module, qualname)
+
     def wrap(fn):
         @functools.wraps(fn)
         def run(*args, **kwargs):
@@ -61,11 +76,10 @@ def exercise(module, qualname):
                 _told.add(qualname)
                 print(f"{{qualname}}: not written yet, running the book's "
                       f"(ds4ref.{{module}}.{{qualname}})")
-            ref = importlib.import_module("ds4ref." + module)
-            for part in qualname.split("."):
-                ref = getattr(ref, part)
-            return ref(*args, **kwargs)
+            return book(*args, **kwargs)
         run.exercise = (module, qualname)
+        if INSTALL:
+            setattr(owner, name, run)
         return run
     return wrap
 '''
@@ -183,7 +197,9 @@ def make(nn: str, out: Path | None = None) -> Path:
     intro = (f"# Build it yourself: {src_path.stem}\n\nThis is chapter {nn} with the "
              f"bodies of its mechanism taken out. Write them:\n\n{listing}\n\nA function "
              "you have not written yet runs the book's version, so the whole chapter "
-             "runs at any time. Check yours against ds4.c's recorded values:\n\n"
+             "runs at any time. Once its cell has run, yours also replaces the book's "
+             "in `ds4ref` for this notebook's later cells (restart the kernel to get "
+             "the book's back). Check yours against ds4.c's recorded values:\n\n"
              f"```\npython tools/learn.py check {nn}\n```\n\nThe check names the first "
              "op, layer and position where yours differs. The reference solutions are "
              f"the chapter itself, `book/{src_path.name}`.")
@@ -218,6 +234,7 @@ def load(nn: str, notebook: Path | None = None) -> dict:
         src = "".join(cell["source"])
         if cell.get("id") == "learn-helper" or _marks(src)[1] is not None:
             exec(compile(src, f"{path.name} cell {cell.get('id')}", "exec"), ns)
+            ns["INSTALL"] = False       # the check leaves ds4ref as the book wrote it
         for t in cell.get("metadata", {}).get("tags", []):
             if t.startswith(TAG):
                 top = t[len(TAG):].split(".")[0]

@@ -39,6 +39,10 @@ def oracle():
 
 
 def _at(idx, axes) -> str:
+    """An index in words: axes is a tuple of axis names, or a list naming each element
+    of a 1-d result."""
+    if isinstance(axes, list):
+        return axes[idx[0]]
     names = axes or ()
     parts = [f"{names[i]} {v}" if i < len(names) else str(v) for i, v in enumerate(idx)]
     return "[" + ", ".join(parts) + "]"
@@ -58,6 +62,8 @@ def differs(got, want, bound, axes=None) -> str | None:
         bad = np.argwhere(got != want)
         if not len(bad):
             return None
+        if want.ndim == 0:
+            return f"expected {want.item()!r}, got {got.item()!r} (must be equal)"
         i = tuple(int(v) for v in bad[0])
         return (f"first difference at {_at(i, axes)}: expected {want[i].item()!r}, "
                 f"got {got[i].item()!r} (must be equal; {len(bad)} of {want.size} "
@@ -125,9 +131,10 @@ def check_parse(ns):
                     int(ti.nbytes)]
         want = [int(t.tensor_type), *map(int, t.shape), int(t.data_offset),
                 int(t.n_bytes)]
-        axes = ("type", *[f"dim {d}" for d in range(len(t.shape))])[:len(want) - 2]
+        fields = ["the type", *[f"dim {d}" for d in range(len(t.shape))],
+                  "the data offset", "the byte count"]
         yield (f"tensor {t.name!r} (type, shape, offset, nbytes)", entry, want, None,
-               [*axes, "offset", "nbytes"])
+               fields)
     for key in ("deepseek4.block_count", "deepseek4.embedding_length",
                 "general.alignment", "deepseek4.expert_count"):
         f = r.fields.get(key)
