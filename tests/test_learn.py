@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import learn  # noqa: E402
-from learn import CORE, LearnError, cells, chapter_path, load, make, marked  # noqa: E402
+from learn import (CORE, LearnError, cells, chapter_path, load, make,  # noqa: E402
+                   marked)
 from learn_checks import CHECKS, check, oracle, report  # noqa: E402
 
 from ds4ref.bundled import data_path  # noqa: E402
@@ -234,9 +235,30 @@ def test_in_the_learners_kernel_their_function_replaces_the_books(tmp_path,
     monkeypatch.setitem(sys.modules, kernel.__name__, kernel)
     for c in nb["cells"]:
         src = "".join(c["source"])
-        if c.get("id") == "learn-helper" or "learn:rms_norm_weight" in str(c["metadata"]):
+        tags = c["metadata"].get("tags", [])
+        if c.get("id") == "learn-helper" or "learn:rms_norm_weight" in tags:
             exec(src, kernel.__dict__)
     from ds4ref.norms import rms_norm_weight as later
     assert later is kernel.rms_norm_weight is not book
     x, w = np.arange(1, 9, dtype=np.float32), np.full(8, 0.5, np.float32)
     assert np.array_equal(later(x, w), book(x, w))
+
+
+def test_a_cell_that_does_not_run_is_named(tmp_path):
+    nb = written(tmp_path, "07", "hash_selected_experts",
+                 "    table = lw.ffn_gate_tid2eid", "    table = lw.ffn_gate_tid2eid)")
+    with pytest.raises(LearnError, match=r"07\.ipynb: cell \w+ does not run: "
+                                         "SyntaxError"):
+        check("07", nb)
+
+
+@pytest.mark.parametrize("nn", CORE)
+def test_the_generated_cells_stay_within_88_columns_and_compile(tmp_path, nn):
+    nb = json.loads(make(nn, tmp_path / f"{nn}.ipynb").read_text())
+    mine = [c for c in nb["cells"] if c.get("id") == "learn-helper"
+            or any(t.startswith("learn:") for t in c["metadata"].get("tags", []))]
+    assert len(mine) == 1 + len({c["id"] for c in mine[1:]}) >= 2
+    for c in mine:
+        src = "".join(c["source"])
+        compile(src, c["id"], "exec")
+        assert max(len(line) for line in src.splitlines()) <= 88, c["id"]

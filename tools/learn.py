@@ -6,7 +6,7 @@ A chapter marks the functions that are its mechanism with a cell tag
 method). The tag changes neither the cell's source, nor its id, nor what the tangler
 or the book's pages make of it.
 
-    python tools/learn.py make [NN ...]            learn/NN_x.ipynb for each core chapter
+    python tools/learn.py make [NN ...]            learn/NN_x.ipynb per core chapter
     python tools/learn.py check NN [--notebook P]  the learner's functions against ds4.c
 
 `make` copies the chapter (outputs cleared) and replaces each marked function's body,
@@ -61,7 +61,7 @@ def book_version(module, qualname):
 
 
 def exercise(module, qualname):
-    """Run the learner's function; while it is a stub, run the book's, saying so once."""
+    """Run the learner's function; while it is a stub, the book's, saying so once."""
     owner, name, book = book_version(module, qualname)
 
     def wrap(fn):
@@ -163,15 +163,16 @@ def stub_source(src: str, module: str, qualname: str, nn: str) -> str:
     fn = _find(ast.parse(src), qualname)
     pad = " " * fn.col_offset
     inner = " " * fn.body[0].col_offset
-    doc = (isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
-           and isinstance(fn.body[0].value.value, str))
+    head = fn.body[0]
+    doc = (isinstance(head, ast.Expr) and isinstance(head.value, ast.Constant)
+           and isinstance(head.value.value, str))
     # the body after the docstring (comments just before the first statement stay)
     first = fn.body[0].end_lineno + 1 if doc else fn.body[0].lineno
     stub = [f"{inner}# Your code here: the docstring says what to compute (the book's",
             f"{inner}# version is in book/{chapter_path(nn).name}).",
             f"{inner}raise NotImplementedError(",
-            f'{inner}    "{STUB.format(name=qualname)}, then run: python tools/learn.py '
-            f'check {nn}")']
+            f'{inner}    "{STUB.format(name=qualname)}, then run: python '
+            f'tools/learn.py check {nn}")']
     top = fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno
     deco = f'{pad}@exercise("{module}", "{qualname}")'
     return "\n".join(lines[:top - 1] + [deco] + lines[top - 1:first - 1] + stub
@@ -195,12 +196,13 @@ def make(nn: str, out: Path | None = None) -> Path:
             cell["outputs"], cell["execution_count"] = [], None
     listing = "\n".join(f"- `{q}` (the book's: `ds4ref.{m}.{q}`)" for m, q in names)
     intro = (f"# Build it yourself: {src_path.stem}\n\nThis is chapter {nn} with the "
-             f"bodies of its mechanism taken out. Write them:\n\n{listing}\n\nA function "
-             "you have not written yet runs the book's version, so the whole chapter "
-             "runs at any time. Once its cell has run, yours also replaces the book's "
-             "in `ds4ref` for this notebook's later cells (restart the kernel to get "
-             "the book's back). Check yours against ds4.c's recorded values:\n\n"
-             f"```\npython tools/learn.py check {nn}\n```\n\nThe check names the first "
+             "bodies of its mechanism taken out. Write them:\n\n"
+             f"{listing}\n\nA function you have not written yet runs the book's "
+             "version, so the whole chapter runs at any time. Once its cell has run, "
+             "yours also replaces the book's in `ds4ref` for this notebook's later "
+             "cells (restart the kernel to get the book's back). Check yours against "
+             "ds4.c's recorded values, in a terminal at the repository's root:\n\n"
+             f"```\n.venv/bin/python tools/learn.py check {nn}\n```\n\nThe check names the first "
              "op, layer and position where yours differs. The reference solutions are "
              f"the chapter itself, `book/{src_path.name}`.")
     head = [{"cell_type": "markdown", "id": "learn-intro", "metadata": {},
@@ -233,7 +235,11 @@ def load(nn: str, notebook: Path | None = None) -> dict:
             continue
         src = "".join(cell["source"])
         if cell.get("id") == "learn-helper" or _marks(src)[1] is not None:
-            exec(compile(src, f"{path.name} cell {cell.get('id')}", "exec"), ns)
+            try:
+                exec(compile(src, f"{path.name} cell {cell.get('id')}", "exec"), ns)
+            except Exception as e:      # the learner's cell: say which, do not crash
+                raise LearnError(f"{path.name}: cell {cell.get('id')} does not run: "
+                                 f"{type(e).__name__}: {e}") from e
             ns["INSTALL"] = False       # the check leaves ds4ref as the book wrote it
         for t in cell.get("metadata", {}).get("tags", []):
             if t.startswith(TAG):
@@ -246,7 +252,8 @@ def load(nn: str, notebook: Path | None = None) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="tools/learn.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tools/learn.py",
+                                description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make", help="write learn/NN_x.ipynb")
     m.add_argument("chapters", nargs="*", default=list(CORE))

@@ -381,7 +381,8 @@ def check(nn: str, notebook=None) -> list[Result]:
     names = [q for _, q in marked(nn)]
     missing = [q for q in names if q not in CHECKS]
     if missing:
-        raise LearnError(f"chapter {nn}: no check for {missing} in tools/learn_checks.py")
+        raise LearnError(f"chapter {nn}: no check for {missing} in "
+                         "tools/learn_checks.py")
     ns = load(nn, notebook)
     out = []
     for q in names:
