@@ -202,8 +202,8 @@ def make(nn: str, out: Path | None = None) -> Path:
              "yours also replaces the book's in `ds4ref` for this notebook's later "
              "cells (restart the kernel to get the book's back). Check yours against "
              "ds4.c's recorded values, in a terminal at the repository's root:\n\n"
-             f"```\n.venv/bin/python tools/learn.py check {nn}\n```\n\nThe check names the first "
-             "op, layer and position where yours differs. The reference solutions are "
+             f"```\n.venv/bin/python tools/learn.py check {nn}\n```\n\nThe check "
+             "names the first op, layer and position where yours differs. The reference solutions are "
              f"the chapter itself, `book/{src_path.name}`.")
     head = [{"cell_type": "markdown", "id": "learn-intro", "metadata": {},
              "source": intro.splitlines(keepends=True)},
