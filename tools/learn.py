@@ -203,8 +203,8 @@ def make(nn: str, out: Path | None = None) -> Path:
              "cells (restart the kernel to get the book's back). Check yours against "
              "ds4.c's recorded values, in a terminal at the repository's root:\n\n"
              f"```\n.venv/bin/python tools/learn.py check {nn}\n```\n\nThe check "
-             "names the first op, layer and position where yours differs. The reference solutions are "
-             f"the chapter itself, `book/{src_path.name}`.")
+             "names the first op, layer and position where yours differs. The "
+             f"reference solutions are the chapter itself, `book/{src_path.name}`.")
     head = [{"cell_type": "markdown", "id": "learn-intro", "metadata": {},
              "source": intro.splitlines(keepends=True)},
             {"cell_type": "code", "id": "learn-helper", "metadata": {},
