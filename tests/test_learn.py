@@ -262,3 +262,16 @@ def test_the_generated_cells_stay_within_88_columns_and_compile(tmp_path, nn):
         src = "".join(c["source"])
         compile(src, c["id"], "exec")
         assert max(len(line) for line in src.splitlines()) <= 88, c["id"]
+
+
+def test_make_keeps_a_learners_notebook_unless_forced(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(learn, "LEARN", tmp_path)
+    assert learn.main(["make", "07"]) == 0
+    mine = tmp_path / "07_moe.ipynb"
+    mine.write_text(mine.read_text().replace("write me", "my work"))
+    assert learn.main(["make", "07"]) == 0 and "my work" in mine.read_text()
+    assert learn.main(["make", "07", "--force"]) == 0
+    assert "my work" not in mine.read_text()
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {mine}", f"kept {mine} (yours: --force writes a fresh copy over it)",
+        f"wrote {mine}"]

@@ -6,7 +6,8 @@ A chapter marks the functions that are its mechanism with a cell tag
 method). The tag changes neither the cell's source, nor its id, nor what the tangler
 or the book's pages make of it.
 
-    python tools/learn.py make [NN ...]            learn/NN_x.ipynb per core chapter
+    python tools/learn.py make [NN ...] [--force]  learn/NN_x.ipynb per core chapter
+                                                   (an existing one is kept: yours)
     python tools/learn.py check NN [--notebook P]  the learner's functions against ds4.c
 
 `make` copies the chapter (outputs cleared) and replaces each marked function's body,
@@ -257,6 +258,8 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make", help="write learn/NN_x.ipynb")
     m.add_argument("chapters", nargs="*", default=list(CORE))
+    m.add_argument("--force", action="store_true",
+                   help="write over an existing learner's notebook (your work in it)")
     c = sub.add_parser("check", help="check a learner's functions against ds4.c")
     c.add_argument("chapter")
     c.add_argument("--notebook", type=Path, default=None)
@@ -264,7 +267,13 @@ def main(argv: list[str]) -> int:
     try:
         if a.cmd == "make":
             for nn in a.chapters:
-                print("wrote", make(nn).relative_to(ROOT))
+                path = learner_path(nn)
+                shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                if path.exists() and not a.force:
+                    print(f"kept {shown} (yours: --force writes a fresh copy over it)")
+                else:
+                    make(nn, path)
+                    print("wrote", shown)
             return 0
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from learn_checks import check, report
