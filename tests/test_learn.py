@@ -275,3 +275,82 @@ def test_make_keeps_a_learners_notebook_unless_forced(tmp_path, monkeypatch, cap
     assert capsys.readouterr().out.splitlines() == [
         f"wrote {mine}", f"kept {mine} (yours: --force writes a fresh copy over it)",
         f"wrote {mine}"]
+
+
+def first_case(key):
+    """(layer, position) of the first case, in the check's order, that has ops `key`."""
+    ops, cfg, W, positions = oracle()
+    return next((l, p) for l in range(cfg.n_layer) for p in positions
+                if f"L{l}.P{p}.{key}" in ops)
+
+
+def expected_in(msg: str, want) -> bool:
+    """The message's index, read back, points at the oracle value it quotes."""
+    idx = tuple(int(part.split()[-1]) for part in
+                msg.split(" at [")[1].split("]")[0].split(", "))
+    v = np.asarray(want)[idx]
+    quoted = f"{float(v):.7g}" if "largest difference" in msg else repr(v.item())
+    return f"expected {quoted}, got " in msg
+
+
+# (chapter, function, book text, planted text, output key of the first case, where)
+PLANTED = [
+    ("03", "matvec_q8_0_prequant", "(wd[:, :, None] * xd.T[:, None])", "wd[:, :, None]",
+     "qr", "qr = attn_q_a . q8.attn_q_a"),
+    ("04", "hc_split_sinkhorn", "post = 2.0 / (1.0", "post = 1.0 / (1.0",
+     "attn_hc_split", "attn_hc_mix -> attn_hc_split"),
+    ("05", "attention_rows", "denom = np.exp(sinks[:, None] - m) + ", "denom = ",
+     "heads", "heads from q_rope"),
+    ("06", "compressor_pool", "(w * kv).sum(axis=0) / w.sum(axis=0)",
+     "(w * kv).sum(axis=0)", "comp_pooled", "comp_state -> comp_pooled"),
+    ("06", "indexer_topk", "[:top_k]", "[1:top_k + 1]", "idx_selected",
+     "the top 16 of"),
+]
+
+
+@pytest.mark.parametrize("nn, name, old, new, key, what", PLANTED,
+                         ids=[p[1] for p in PLANTED])
+def test_a_planted_bug_is_located_at_its_first_case(tmp_path, nn, name, old, new, key,
+                                                   what):
+    ops, cfg, W, positions = oracle()
+    r = result(check(nn, written(tmp_path, nn, name, old, new)), name)
+    l, p = first_case(key)
+    assert r.status == "differs", r
+    assert r.message.startswith(f"layer {l}") and f"position {p}: {what}" in r.message
+    assert expected_in(r.message, ops[f"L{l}.P{p}.{key}"]), r.message
+
+
+def test_a_wrong_shift_in_iq2_xxs_decoding_is_found_against_gguf(tmp_path):
+    import gguf
+    from gguf.quants import dequantize
+    nb = written(tmp_path, "02", "unpack_iq2_xxs_indices", "(aux >> np.uint32(28))",
+                 "(aux >> np.uint32(27))")
+    r = result(check("02", nb), "unpack_iq2_xxs_indices")
+    t = next(t for t in gguf.GGUFReader(data_path("oracle") / "dev_seed1.gguf").tensors
+             if int(t.tensor_type) == 16)
+    assert r.status == "differs"
+    assert r.message.startswith(f"tensor {t.name!r}, rows 0-7")
+    raw = np.asarray(t.data).reshape(-1, t.data.shape[-1])[:8]
+    assert expected_in(r.message, dequantize(raw, t.tensor_type))
+
+
+def test_one_sinkhorn_pass_short_is_found_where_it_first_shows(tmp_path):
+    """19 passes instead of 20 stay within the bound until the comb has not converged:
+    the check names the first case where the book's own 19-pass split leaves it."""
+    from ds4ref.checks import rel
+    from ds4ref.hc import hc_split_sinkhorn
+    ops, cfg, W, positions = oracle()
+    first = next(
+        (l, p, s) for l in range(cfg.n_layer) for p in positions
+        for s in ("attn", "ffn")
+        if rel(np.concatenate([np.ravel(a) for a in hc_split_sinkhorn(
+            ops[f"L{l}.P{p}.{s}_hc_mix"], getattr(W.layers[l], f"hc_{s}_scale"),
+            getattr(W.layers[l], f"hc_{s}_base"), cfg.n_hc, 19)]),
+            ops[f"L{l}.P{p}.{s}_hc_split"]) > 5e-7)
+    r = result(check("04", written(tmp_path, "04", "hc_split_sinkhorn",
+                                   "for _ in range(1, iters):",
+                                   "for _ in range(2, iters):")), "hc_split_sinkhorn")
+    l, p, s = first
+    assert r.status == "differs"
+    assert r.message.startswith(f"layer {l}, position {p}: {s}_hc_mix -> {s}_hc_split")
+    assert expected_in(r.message, ops[f"L{l}.P{p}.{s}_hc_split"])
