@@ -48,7 +48,7 @@ def test_stub_keeps_signature_and_docstring_and_raises_a_clear_message(tmp_path)
     x = np.arange(1, 9, dtype=np.float32)
     with pytest.raises(NotImplementedError) as e:
         fn.__wrapped__(x, np.ones(8, np.float32))
-    assert str(e.value) == ("rms_norm_weight: write me, then run: python "
+    assert str(e.value) == ("rms_norm_weight: write me, then check it: "
                             "tools/learn.py check 04")
 
 

@@ -40,8 +40,9 @@ STUB = "{name}: write me"
 HELPER = '''\
 # Build it yourself: every function marked @exercise is yours to write. Until its
 # body stops raising NotImplementedError, the book's version (in ds4ref) runs instead,
-# so the rest of this chapter still runs. Check yours against ds4.c with
-#     python tools/learn.py check {nn}
+# so the rest of this chapter still runs. Check yours against ds4.c (in a terminal at
+# the repository's root) with
+#     .venv/bin/python tools/learn.py check {nn}
 import functools
 import importlib
 
@@ -169,10 +170,11 @@ def stub_source(src: str, module: str, qualname: str, nn: str) -> str:
            and isinstance(head.value.value, str))
     # the body after the docstring (comments just before the first statement stay)
     first = fn.body[0].end_lineno + 1 if doc else fn.body[0].lineno
-    stub = [f"{inner}# Your code here: the docstring says what to compute (the book's",
+    what = "the docstring says" if doc else "the chapter's text above says"
+    stub = [f"{inner}# Your code here: {what} what to compute (the book's",
             f"{inner}# version is in book/{chapter_path(nn).name}).",
             f"{inner}raise NotImplementedError(",
-            f'{inner}    "{STUB.format(name=qualname)}, then run: python '
+            f'{inner}    "{STUB.format(name=qualname)}, then check it: '
             f'tools/learn.py check {nn}")']
     top = fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno
     deco = f'{pad}@exercise("{module}", "{qualname}")'
