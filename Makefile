@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install book lab test tangle check-tangle run-chapters bench clean
+.PHONY: install book lab learn test tangle check-tangle run-chapters bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,8 +37,16 @@ book: $(STAMP)
 
 ## open the chapters in JupyterLab; their kernel is .venv's Python, where ds4ref is installed
 ## (JUPYTER_PATH puts .venv's kernel spec before any other "python3" on this machine)
+LAB_DIR ?= book
 lab: $(STAMP)
-	JUPYTER_PATH=$(CURDIR)/$(VENV)/share/jupyter $(VENV)/bin/jupyter-lab --notebook-dir=book $(LAB_ARGS)
+	JUPYTER_PATH=$(CURDIR)/$(VENV)/share/jupyter $(VENV)/bin/jupyter-lab --notebook-dir=$(LAB_DIR) $(LAB_ARGS)
+
+## build it yourself: a learner's notebook per core chapter in learn/ (stubs for each
+## chapter's mechanism, generated from the chapter), opened in JupyterLab; check one with
+## `.venv/bin/python tools/learn.py check 04`
+learn: $(STAMP)
+	$(VPY) tools/learn.py make
+	$(MAKE) lab LAB_DIR=learn
 
 ## every test: unit and oracle tests, the drift check, and nbval over every chapter
 test: $(STAMP)

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Build it yourself: a learner's notebook per core chapter, checked against ds4.c.
+
+A chapter marks the functions that are its mechanism with a cell tag
+`learn:<name>` on the export cell that defines them (`learn:GGUFFile._parse` for a
+method). The tag changes neither the cell's source, nor its id, nor what the tangler
+or the book's pages make of it.
+
+    python tools/learn.py make [NN ...] [--force]  learn/NN_x.ipynb per core chapter
+                                                   (an existing one is kept: yours)
+    python tools/learn.py check NN [--notebook P]  the learner's functions against ds4.c
+
+`make` copies the chapter (outputs cleared) and replaces each marked function's body,
+after its docstring, by a stub that raises NotImplementedError; a first code cell
+defines `exercise`, the decorator that runs the book's version (ds4ref's) while the
+stub is still there, saying so once, and puts the learner's function into ds4ref for
+the later cells of their notebook. The reference solutions are the chapters.
+
+`check` runs the learner notebook's export cells (nothing else) in a fresh namespace
+and compares each marked function, op by op, with ds4.c's recorded values (data/oracle)
+or the `gguf` package's decoding; it reports the first place where they differ.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+LEARN = ROOT / "learn"
+TAG = "learn:"
+CORE = ("01", "02", "03", "04", "05", "06", "07", "08")
+STUB = "{name}: write me"
+
+# The first code cell of every learner's notebook (and of every `check` namespace).
+HELPER = '''\
+# Build it yourself: every function marked @exercise is yours to write. Until its
+# body stops raising NotImplementedError, the book's version (in ds4ref) runs instead,
+# so the rest of this chapter still runs. Check yours against ds4.c (in a terminal at
+# the repository's root) with
+#     .venv/bin/python tools/learn.py check {nn}
+import functools
+import importlib
+
+STRICT = set()    # names that must not fall back (the check sets them)
+INSTALL = True    # later cells' `from ds4ref... import` get the learner's functions
+_told, _book = set(), {{}}
+
+
+def book_version(module, qualname):
+    """(owner, name, the book's function): the first one seen, before any install."""
+    if (module, qualname) not in _book:
+        owner = importlib.import_module("ds4ref." + module)
+        *path, name = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        _book[module, qualname] = owner, name, getattr(owner, name)
+    return _book[module, qualname]
+
+
+def exercise(module, qualname):
+    """Run the learner's function; while it is a stub, the book's, saying so once."""
+    owner, name, book = book_version(module, qualname)
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except NotImplementedError as e:
+                if qualname in STRICT or not str(e).startswith(qualname + ": write"):
+                    raise
+            if qualname not in _told:
+                _told.add(qualname)
+                print(f"{{qualname}}: not written yet, running the book's "
+                      f"(ds4ref.{{module}}.{{qualname}})")
+            return book(*args, **kwargs)
+        run.exercise = (module, qualname)
+        if INSTALL:
+            setattr(owner, name, run)
+        return run
+    return wrap
+'''
+
+
+class LearnError(Exception):
+    """A chapter number, notebook or marker the learner tools cannot use."""
+
+
+def chapter_path(nn: str) -> Path:
+    hits = sorted(BOOK.glob(f"{nn}_*.ipynb"))
+    if len(nn) != 2 or not hits:
+        raise LearnError(f"chapter {nn!r}: no book/{nn}_*.ipynb (core chapters: "
+                         f"{', '.join(CORE)})")
+    return hits[0]
+
+
+def learner_path(nn: str) -> Path:
+    return LEARN / chapter_path(nn).name
+
+
+def _marks(src: str) -> tuple[list[str], str | None]:
+    """(the cell's `#|` directives, its export module or None)."""
+    marks = []
+    for line in src.splitlines():
+        if not line.startswith("#|"):
+            break
+        marks.append(line[2:].strip())
+    return marks, next((m.partition(" ")[2].strip() for m in marks
+                        if m.split(" ")[0] == "export"), None)
+
+
+def cells(nb: dict):
+    """(cell, source, export module or None, [marked qualnames]) over the code cells,
+    the default module resolved."""
+    default = None
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = "".join(cell["source"])
+        marks, mod = _marks(src)
+        for m in marks:
+            if m.startswith("default_exp"):
+                default = m.split(" ", 1)[1].strip()
+        if mod == "":
+            mod = default
+        names = [t[len(TAG):] for t in cell.get("metadata", {}).get("tags", [])
+                 if t.startswith(TAG)]
+        yield cell, src, mod, names
+
+
+def marked(nn: str) -> list[tuple[str, str]]:
+    """[(module, qualname)] of the chapter's marked functions, in book order."""
+    nb = json.loads(chapter_path(nn).read_text())
+    out = []
+    for _, _, mod, names in cells(nb):
+        if names and mod is None:
+            raise LearnError(f"chapter {nn}: {names} marked on a cell that is not "
+                             "exported")
+        out += [(mod, n) for n in names]
+    return out
+
+
+def _find(tree: ast.Module, qualname: str):
+    body, node = tree.body, None
+    for part in qualname.split("."):
+        node = next((n for n in body if isinstance(
+            n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            raise LearnError(f"{qualname}: no such function in its tagged cell")
+        body = node.body
+    if not isinstance(node, ast.FunctionDef):
+        raise LearnError(f"{qualname}: a class, not a function")
+    return node
+
+
+def stub_source(src: str, module: str, qualname: str, nn: str) -> str:
+    """The cell's source with qualname's body (after its docstring) replaced by a stub
+    and the `exercise` decorator put on it."""
+    lines = src.splitlines()
+    fn = _find(ast.parse(src), qualname)
+    pad = " " * fn.col_offset
+    inner = " " * fn.body[0].col_offset
+    head = fn.body[0]
+    doc = (isinstance(head, ast.Expr) and isinstance(head.value, ast.Constant)
+           and isinstance(head.value.value, str))
+    # the body after the docstring (comments just before the first statement stay)
+    first = fn.body[0].end_lineno + 1 if doc else fn.body[0].lineno
+    what = "the docstring says" if doc else "the chapter's text above says"
+    stub = [f"{inner}# Your code here: {what} what to compute (the book's",
+            f"{inner}# version is in book/{chapter_path(nn).name}).",
+            f"{inner}raise NotImplementedError(",
+            f'{inner}    "{STUB.format(name=qualname)}, then check it: '
+            f'tools/learn.py check {nn}")']
+    top = fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno
+    deco = f'{pad}@exercise("{module}", "{qualname}")'
+    return "\n".join(lines[:top - 1] + [deco] + lines[top - 1:first - 1] + stub
+                     + lines[fn.end_lineno:])
+
+
+def make(nn: str, out: Path | None = None) -> Path:
+    """Write the learner's notebook of chapter nn (default learn/NN_x.ipynb)."""
+    src_path = chapter_path(nn)
+    nb = json.loads(src_path.read_text())
+    names = marked(nn)
+    if not names:
+        raise LearnError(f"chapter {nn}: no function is marked `{TAG}<name>`")
+    for cell, src, mod, tags in cells(nb):
+        for q in tags:
+            src = stub_source(src, mod, q, nn)
+        if tags:
+            cell["source"] = src.splitlines(keepends=True)
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    listing = "\n".join(f"- `{q}` (the book's: `ds4ref.{m}.{q}`)" for m, q in names)
+    intro = (f"# Build it yourself: {src_path.stem}\n\nThis is chapter {nn} with the "
+             "bodies of its mechanism taken out. Write them:\n\n"
+             f"{listing}\n\nA function you have not written yet runs the book's "
+             "version, so the whole chapter runs at any time. Once its cell has run, "
+             "yours also replaces the book's in `ds4ref` for this notebook's later "
+             "cells (restart the kernel to get the book's back). Check yours against "
+             "ds4.c's recorded values, in a terminal at the repository's root:\n\n"
+             f"```\n.venv/bin/python tools/learn.py check {nn}\n```\n\nThe check "
+             "names the first op, layer and position where yours differs. The "
+             f"reference solutions are the chapter itself, `book/{src_path.name}`.")
+    head = [{"cell_type": "markdown", "id": "learn-intro", "metadata": {},
+             "source": intro.splitlines(keepends=True)},
+            {"cell_type": "code", "id": "learn-helper", "metadata": {},
+             "execution_count": None, "outputs": [],
+             "source": HELPER.format(nn=nn).splitlines(keepends=True)}]
+    nb["cells"] = head + nb["cells"]
+    out = out or learner_path(nn)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return out
+
+
+def load(nn: str, notebook: Path | None = None) -> dict:
+    """The learner's namespace: the helper cell and every export cell of their notebook,
+    run in order (export cells never depend on the demonstration cells)."""
+    path = Path(notebook) if notebook else learner_path(nn)
+    if not path.exists():
+        raise LearnError(f"{path}: no learner's notebook; run `python tools/learn.py "
+                         f"make {nn}` (or `make learn`) first")
+    nb = json.loads(path.read_text())
+    # a registered module: dataclasses look their class's module up in sys.modules
+    mod = types.ModuleType(f"learn_{nn}")
+    sys.modules[mod.__name__] = mod
+    ns = mod.__dict__
+    mine = {}
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = "".join(cell["source"])
+        if cell.get("id") == "learn-helper" or _marks(src)[1] is not None:
+            try:
+                exec(compile(src, f"{path.name} cell {cell.get('id')}", "exec"), ns)
+            except Exception as e:      # the learner's cell: say which, do not crash
+                raise LearnError(f"{path.name}: cell {cell.get('id')} does not run: "
+                                 f"{type(e).__name__}: {e}") from e
+            ns["INSTALL"] = False       # the check leaves ds4ref as the book wrote it
+        for t in cell.get("metadata", {}).get("tags", []):
+            if t.startswith(TAG):
+                top = t[len(TAG):].split(".")[0]
+                mine[top] = ns[top]
+    # a later cell may import the book's version under the same name: the learner's
+    # functions win, for the check and for the functions that call them
+    ns.update(mine)
+    return ns
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="tools/learn.py",
+                                description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make", help="write learn/NN_x.ipynb")
+    m.add_argument("chapters", nargs="*", default=list(CORE))
+    m.add_argument("--force", action="store_true",
+                   help="write over an existing learner's notebook (your work in it)")
+    c = sub.add_parser("check", help="check a learner's functions against ds4.c")
+    c.add_argument("chapter")
+    c.add_argument("--notebook", type=Path, default=None)
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "make":
+            for nn in a.chapters:
+                path = learner_path(nn)
+                shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                if path.exists() and not a.force:
+                    print(f"kept {shown} (yours: --force writes a fresh copy over it)")
+                else:
+                    make(nn, path)
+                    print("wrote", shown)
+            return 0
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from learn_checks import check, report
+        results = check(a.chapter, a.notebook)
+        print(report(a.chapter, results))
+        return 1 if any(r.status in ("differs", "error") for r in results) else 0
+    except LearnError as e:
+        print(f"tools/learn.py: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.modules.setdefault("learn", sys.modules[__name__])  # one LearnError for both
+    sys.exit(main(sys.argv[1:]))
