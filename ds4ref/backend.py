@@ -275,7 +275,8 @@ class NumpyBackend:
         """(gate rows, up rows, Q8KAct) -> (g, u) for the type of w_gate3: its fused
         pair kernel, or its row matvec twice.
         Mirrors ds4.c: matvec_iq2_xxs_expert_pair_prequant (l. 3847)"""
-        mv, pair = self.expert_matvec(w_gate3), self.kernels[int(w_gate3.ggml_type)].pair
+        mv = self.expert_matvec(w_gate3)
+        pair = self.kernels[int(w_gate3.ggml_type)].pair
         return pair if pair else (lambda g, u, a: (mv(g, a), mv(u, a)))
 
     def rope(self, x, pos: int, cfg, ratio: int, inverse: bool = False):

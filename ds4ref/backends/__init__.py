@@ -74,7 +74,8 @@ class BackendSpec:
 # the one list of backends
 REGISTRY = {b.name: b for b in (
     BackendSpec("numpy", "ds4ref.backend", "NumpyBackend", _numpy_status),
-    BackendSpec("numba", "ds4ref.backends.numba_backend", "NumbaBackend", _numba_status),
+    BackendSpec("numba", "ds4ref.backends.numba_backend", "NumbaBackend",
+                _numba_status),
     BackendSpec("mlx", "ds4ref.backends.mlx_backend", "MlxBackend", _mlx_status,
                 "apple-gpu", "MLX's Metal path", resident=True, auto_order=2),
     BackendSpec("cupy", "ds4ref.backends.cupy_backend", "CupyBackend", _cupy_status,
