@@ -8,6 +8,8 @@ import copy
 import dataclasses
 import inspect
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 
 import numpy as np
 
@@ -25,11 +27,11 @@ from ds4ref.matvec import (
     weight_rows,
 )
 from ds4ref.gguf import DS4RefError
-from ds4ref.ggml_types import GGML_BLOCK, GGMLType
+from ds4ref.ggml_types import GGMLType, TypeTraits
 from ds4ref.kvquant import fp8_kv_quantize_row, indexer_qat_row
 from ds4ref.ops import (MoEError, attention_rows, embed_rows, experts_down,
                         experts_gate_up, sum_slots, swiglu, topk_desc)
-from ds4ref.quant import (F16, F32, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPE_NAMES, Q8Act,
+from ds4ref.quant import (F16, F32, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPES, Q8Act,
                           quantize_q8_0, quantize_q8_K)
 from ds4ref.rope import rope_tail
 
@@ -47,35 +49,27 @@ class UnimplementedOpError(BackendError, NotImplementedError):
 
 
 @dataclass(frozen=True)
-class QuantType:
-    """One weight format, as ggml's type traits: its block (weights, bytes), the
-    activation its rows multiply ("float", or quantized to "Q8_0" / "Q8_K" first) and
-    the backend method that does it (numpy's is the reference of chapters 2-3), with
-    the fused gate/up pair where the experts have one."""
-    name: str
-    block: int
-    bytes: int
-    activation: str
-    matvec: str
-    pair: str | None = None
+class TypeKernels:
+    """One backend's kernels for one weight type, as ggml's type_traits_cpu: the matvec
+    of its rows against the type's activation (chapter 2's TYPES row) and, where the
+    experts have one, the fused gate/up pair."""
+    matvec: Callable
+    pair: Callable | None = None
 
 
-def _row(t: int, activation: str, matvec: str, pair: str | None = None) -> QuantType:
-    return QuantType(TYPE_NAMES[t], *GGML_BLOCK[GGMLType(t)], activation, matvec, pair)
-
-
-# one row per weight type a ds4 file holds; a new type is a row plus its kernels
-QUANT_TYPES = {
-    F32: _row(F32, "float", "matvec_f32"),
-    F16: _row(F16, "float", "matvec_f16"),
-    Q8_0: _row(Q8_0, "Q8_0", "matvec_q8_0_prequant"),
-    Q2_K: _row(Q2_K, "Q8_K", "matvec_q2_K_q8_K"),
-    Q4_K: _row(Q4_K, "Q8_K", "matvec_q4_K_q8_K"),
-    IQ2_XXS: _row(IQ2_XXS, "Q8_K", "matvec_iq2_xxs_q8_K", "matvec_iq2_xxs_pair_q8_K"),
+# each weight type's kernels, as a backend's methods; a new type is an entry here, its
+# numpy reference below and its kernels on the backends that run it
+KERNELS_BY_TYPE = {
+    F32: ("matvec_f32",),
+    F16: ("matvec_f16",),
+    Q8_0: ("matvec_q8_0_prequant",),
+    Q2_K: ("matvec_q2_K_q8_K",),
+    Q4_K: ("matvec_q4_K_q8_K",),
+    IQ2_XXS: ("matvec_iq2_xxs_q8_K", "matvec_iq2_xxs_pair_q8_K"),
 }
 # what the layers call on `be`, for any leading token shape
 KERNELS = (
-    "project",          # y = W x by the matvec of W's type (QUANT_TYPES)
+    "project",          # y = W x by the matvec of W's type (KERNELS_BY_TYPE)
     "project_grouped",  # the grouped output projection (chapter 5)
     "attention",        # one token's sink attention over its cache rows (chapter 5)
     "experts_mid",      # the routed experts' SwiGLU of T tokens (chapter 7)
@@ -91,9 +85,8 @@ PLACEMENT = ("xp", "place", "place_layer", "upload", "download", "evaluate")
 # the seam: all that the model may call on a backend (chapter 9 maps it to ds4.c's
 # ds4_gpu.h; a test traces a forward pass and checks that it calls nothing else)
 SEAM = {"kernels": KERNELS, "glue": GLUE, "placement": PLACEMENT}
-# the type kernels: one matvec (and pair) per row of QUANT_TYPES
-TYPE_KERNELS = tuple(dict.fromkeys(
-    k for q in QUANT_TYPES.values() for k in (q.matvec, q.pair) if k))
+# the type kernels: one matvec (and pair) per weight type
+TYPE_KERNELS = tuple(k for ks in KERNELS_BY_TYPE.values() for k in ks)
 # kernels numpy builds from type kernels: a backend with those parts runs them itself
 COMPOSED = {"project": ("matvec_q8_0_prequant", "matvec_f16"),
             "project_grouped": ("matvec_q8_0_prequant",),
@@ -103,14 +96,15 @@ COMPOSED = {"project": ("matvec_q8_0_prequant", "matvec_f16"),
 NOT_PROJECTED = ("token_embd.weight", "_ape.weight", "tid2eid.weight")
 
 
-def quant_type(t) -> QuantType:
-    """The QUANT_TYPES row of tensor t (or of a type id); MatvecError if ds4 has
-    none."""
+def quant_type(t) -> TypeTraits:
+    """The TYPES row of tensor t (or of a type id); MatvecError unless it is a weight
+    type with kernels (KERNELS_BY_TYPE)."""
     tid = int(getattr(t, "ggml_type", t))
-    if tid not in QUANT_TYPES:
+    if tid not in KERNELS_BY_TYPE:
+        name = TYPES[tid].name if tid in TYPES else tid
         raise MatvecError(f"tensor {getattr(t, 'name', '?')!r}: type "
-                          f"{TYPE_NAMES.get(tid, tid)} is not a ds4 weight type")
-    return QUANT_TYPES[tid]
+                          f"{name} is not a ds4 weight type")
+    return TYPES[tid]
 
 
 def weight_op(t) -> str | None:
@@ -120,7 +114,7 @@ def weight_op(t) -> str | None:
     if len(t.shape) == 3:
         return "experts_down" if "_down_" in t.name else "experts_mid"
     if len(t.shape) == 2 and not t.name.endswith(NOT_PROJECTED):
-        return "project" if int(t.ggml_type) in QUANT_TYPES else None
+        return "project" if int(t.ggml_type) in KERNELS_BY_TYPE else None
     return None
 
 
@@ -151,6 +145,10 @@ class NumpyBackend:
     # numpy's BLAS sums a T-row product in another order, so project runs numpy's F16
     # matvec a token at a time
     f16_batch_invariant = False
+    # whether a batch of tokens gets the bits of decoding them one by one (MTP's
+    # verification, chapter 11, relies on it): numpy's own kernels only; a subclass
+    # that declares nothing is taken not to
+    batch_is_decode = True
     # the type kernels: chapters 2-3's references
     matvec_q8_0_prequant = staticmethod(matvec_q8_0_prequant)
     matvec_f16 = staticmethod(matvec_f16)
@@ -170,6 +168,7 @@ class NumpyBackend:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        cls.batch_is_decode = cls.__dict__.get("batch_is_decode", False)
         cls.implements = frozenset(
             op for op in KERNELS + TYPE_KERNELS
             if inspect.getattr_static(cls, op) is not NumpyBackend.__dict__.get(op))
@@ -178,14 +177,21 @@ class NumpyBackend:
                                f"{sorted(set(cls.partial) - cls.implements)}, which it "
                                "does not implement")
 
+    @cached_property
+    def kernels(self) -> dict[int, TypeKernels]:
+        """This backend's row of kernels per weight type (ggml's type_traits_cpu), bound
+        once: its own methods, which a subclass overrides."""
+        return {t: TypeKernels(*(getattr(self, k) for k in ks))
+                for t, ks in KERNELS_BY_TYPE.items()}
+
     # -- the kernels ------------------------------------------------------------------
     def project(self, w, x):
-        """y = W x [..., rows] by the matvec of W's type (QUANT_TYPES), x quantized to
+        """y = W x [..., rows] by this backend's matvec of W's type, x quantized to
         the row's activation first (a Q8Act is taken as it is: one quantization for
         several Q8_0 weights).
         Mirrors ds4.c: matvec_any (l. 3771)"""
         q = quant_type(w)
-        matvec = getattr(self, q.matvec)
+        matvec = self.kernels[q.id].matvec
         if isinstance(x, Q8Act) and q.activation == "Q8_0":
             return matvec(w, x)
         if isinstance(x, Q8Act) or q.activation == "Q8_K":
@@ -263,14 +269,15 @@ class NumpyBackend:
         if q.activation != "Q8_K":
             raise MatvecError(f"tensor {w3.name!r}: {q.name} is not a routed-expert "
                               "type (IQ2_XXS, Q2_K, Q4_K)")
-        return getattr(self, q.matvec)
+        return self.kernels[q.id].matvec
 
     def expert_pair(self, w_gate3):
         """(gate rows, up rows, Q8KAct) -> (g, u) for the type of w_gate3: its fused
         pair kernel, or its row matvec twice.
         Mirrors ds4.c: matvec_iq2_xxs_expert_pair_prequant (l. 3847)"""
-        mv, pair = self.expert_matvec(w_gate3), quant_type(w_gate3).pair
-        return getattr(self, pair) if pair else (lambda g, u, a: (mv(g, a), mv(u, a)))
+        mv = self.expert_matvec(w_gate3)
+        pair = self.kernels[int(w_gate3.ggml_type)].pair
+        return pair if pair else (lambda g, u, a: (mv(g, a), mv(u, a)))
 
     def rope(self, x, pos: int, cfg, ratio: int, inverse: bool = False):
         """Rotate the last n_rot dims of x [..., hd] by the angles of position pos (a
@@ -330,7 +337,7 @@ class NumpyBackend:
         """Whether this backend runs kernel `op` itself on weights of `ggml_type`."""
         if op == "project":
             return "project" in self.implements or (
-                quant_type(ggml_type).matvec in self.implements)
+                KERNELS_BY_TYPE[quant_type(ggml_type).id][0] in self.implements)
         types = (self.expert_types or {}).get(op)
         if types is not None:
             return op in self.implements and ggml_type in types
@@ -347,7 +354,7 @@ class NumpyBackend:
             if op is not None and not self.runs(op, int(t.ggml_type)):
                 raise UnimplementedOpError(
                     f"backend {self.name!r} (strict): {op} for tensor {t.name!r} "
-                    f"({TYPE_NAMES[int(t.ggml_type)]}) is not implemented by this "
+                    f"({quant_type(t).name}) is not implemented by this "
                     "backend (outside strict mode it runs numpy's reference)"
                 )
 
@@ -360,6 +367,7 @@ class NumpyBackend:
         for op in KERNELS + TYPE_KERNELS:
             if not self.runs_itself(op):
                 setattr(be, op, _unimplemented(self.name, op))
+        be.__dict__.pop("kernels", None)     # bound anew, to the strict methods
         return be
 
     def reference(self, op: str, case: str):

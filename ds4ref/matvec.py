@@ -8,22 +8,21 @@ import numpy as np
 
 from ds4ref.gguf import DS4RefError
 from ds4ref.quant import (
-    BLOCKS,
     F16,
     F32,
     IQ2_XXS,
     Q2_K,
     Q4_K,
     Q8_0,
-    TYPE_NAMES,
+    TYPES,
     quantize_q8_0,
     unpack_iq2_xxs_signed,
     unpack_q2_K,
     unpack_q4_K,
 )
 
-QK8_0 = BLOCKS[Q8_0][0]   # values per Q8_0 block (32)
-QK_K = BLOCKS[Q2_K][0]    # values per K-quant / IQ2_XXS super-block (256)
+QK8_0 = TYPES[Q8_0].block   # values per Q8_0 block (32)
+QK_K = TYPES[Q2_K].block    # values per K-quant / IQ2_XXS super-block (256)
 
 
 class MatvecError(DS4RefError, ValueError):
@@ -36,15 +35,14 @@ def weight_rows(w, ggml_type: int) -> np.ndarray:
     [rows, row_bytes], checked.
 
     Mirrors ds4.c: matvec_q8_0_rows_prequant (l. 3375) (its type check and `ds4_die`)"""
-    want = TYPE_NAMES[ggml_type]
-    block_bytes = BLOCKS[ggml_type][1]
+    want, block_bytes = TYPES[ggml_type].name, TYPES[ggml_type].bytes
     name = getattr(w, "name", "weight")
     if hasattr(w, "ggml_type"):
         got = int(w.ggml_type)
         if got != ggml_type:
             raise MatvecError(
                 f"tensor {name!r}: expected type {want}, got "
-                f"{TYPE_NAMES.get(got, f'type id {got}')}"
+                f"{TYPES[got].name if got in TYPES else f'type id {got}'}"
             )
         raw = w.data
     else:
@@ -67,8 +65,7 @@ def row_elements(raw: np.ndarray, ggml_type: int) -> int:
     """How many values one row of `raw` holds in format `ggml_type`.
 
     Mirrors ds4.c: matvec_q8_0_rows_prequant (l. 3375) (in_dim = w->dim[0])"""
-    per_block, block_bytes = BLOCKS[ggml_type][:2]
-    return raw.shape[1] // block_bytes * per_block
+    return raw.shape[1] // TYPES[ggml_type].bytes * TYPES[ggml_type].block
 
 
 def activation_fields(arrays: dict, n: int, per: dict, what: str):
@@ -214,7 +211,7 @@ def float_input(raw: np.ndarray, x, ggml_type: int) -> np.ndarray:
     x = np.asarray(x)
     if x.ndim < 1 or x.shape[-1] != n:
         raise MatvecError(
-            f"{TYPE_NAMES[ggml_type]} matvec: x has shape {x.shape}, the weight rows "
+            f"{TYPES[ggml_type].name} matvec: x has shape {x.shape}, the weight rows "
             f"have {n} values"
         )
     return x

@@ -157,10 +157,6 @@ def forward_rows(model, cache, tokens, pos0: int, hooks=NO_HOOKS):
     return np.stack([model.be.download(lg) for lg in logits]), Xs
 
 
-# backends whose batch path is their decode path, bit for bit
-BATCH_IS_DECODE = ("numpy",)
-
-
 def decode_rows(model, cache, tokens, pos0: int, hooks=NO_HOOKS, stop=None):
     """forward_rows a token at a time: logits [T, n_vocab], final HC states
     [T, n_hc, n_embd]; stop(i, logits_i) -> True ends it after token i.
@@ -229,9 +225,9 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
     from the target's final HC state, then from its own output; 3. one batched forward
     verifies the rest, the longest agreeing prefix is committed and the cache rewound
     past it (a snapshot, then a batch re-run of the kept drafts). The tokens are plain
-    greedy decoding's. On a backend not in BATCH_IS_DECODE the drafts are decoded one by
-    one instead (decode_rows), which keeps that guarantee and gives up the batch's
-    speed.
+    greedy decoding's. On a backend whose batch path is not its decode path bit for bit
+    (`be.batch_is_decode`, chapter 3) the drafts are decoded one by one instead
+    (decode_rows), which keeps that guarantee and gives up the batch's speed.
     Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
     s._check_speculative(first_token, max_tokens, eos_token)  # chapter 8
     e, cfg = s.engine, s.cfg
@@ -246,7 +242,7 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
         s._logits = np.array(logits, np.float32)
         out.extend(int(t) for t in tokens)
 
-    exact = getattr(be, "name", None) in BATCH_IS_DECODE
+    exact = getattr(be, "batch_is_decode", False)
     rows_of = forward_rows if exact else decode_rows
 
     def go():

@@ -5,11 +5,12 @@ quantizers, and the FP8 / FP4 / F16 rounding simulations of the KV cache and the
 indexer."""
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 
-from ds4ref.ggml_types import GGML_BLOCK, GGMLType
+from ds4ref.ggml_types import GGML_BLOCK, GGMLType, TypeTraits
 from ds4ref.gguf import DS4RefError
 from ds4ref.iq2_tables import (  # noqa: F401
     iq2xxs_grid, iq2xxs_signed_grid, iq2xxs_signs, kmask_iq2xs, ksigns_iq2xs,
@@ -107,8 +108,9 @@ def f16_round(x) -> np.ndarray:
         return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
-def _dequantize_float(b: np.ndarray, t: int) -> np.ndarray:
-    """F32 / F16 / BF16 elements [..., n] -> float32 [..., n]."""
+def _dequantize_float(raw, t: int) -> np.ndarray:
+    """F32 / F16 / BF16 raw [..., row_bytes] -> float32 [..., n]."""
+    b = _blocks(raw, t)
     if t == BF16:
         return (b.astype(np.uint32) << 16).view(np.float32)
     return b.astype(np.float32)
@@ -372,24 +374,45 @@ def _dequantize_iq2_xxs(raw) -> np.ndarray:
     return dg[..., None] * vals.astype(np.float32).reshape(*vals.shape[:-1], 8, 32)
 
 
+def _row(t: int, decode, activation=None, roles=()) -> TypeTraits:
+    return TypeTraits(t, TYPE_NAMES[t], *BLOCKS[t], decode, activation, roles)
+
+
+EXPERT = ("experts_mid", "experts_down")  # a routed expert's gate/up, and its down
+# the one table of types: a new type is a row here, its reference matvec (chapter 3)
+# and its kernels
+TYPES = {r.id: r for r in (
+    _row(F32, partial(_dequantize_float, t=F32), "float", ("project",)),
+    _row(F16, partial(_dequantize_float, t=F16), "float", ("project",)),
+    _row(BF16, partial(_dequantize_float, t=BF16)),
+    _row(Q8_0, _dequantize_q8_0, "Q8_0", ("project",)),
+    _row(Q8_K, _dequantize_q8_K),
+    _row(Q2_K, _dequantize_q2_K, "Q8_K", EXPERT),
+    _row(Q4_K, _dequantize_q4_K, "Q8_K", EXPERT),
+    _row(IQ2_XXS, _dequantize_iq2_xxs, "Q8_K", EXPERT),
+)}
+
+
+def type_traits(ggml_type) -> TypeTraits:
+    """The TYPES row of a type id; QuantError, naming the supported ones, for any other
+    id."""
+    _type_info(ggml_type)
+    return TYPES[int(ggml_type)]
+
+
 def dequantize(raw, ggml_type) -> np.ndarray:
     """Raw uint8 [..., row_bytes] of a ggml type -> float32 [..., row_elements],
-    vectorised over all blocks.
+    vectorised over all blocks by the decoder of the type's TYPES row.
 
     Supports F32, F16, BF16, Q8_0, Q2_K, Q4_K, Q8_K and IQ2_XXS: the values that ds4.c's
     dot kernels decode on the fly (ds4_vec_dot_q2_K_q8_K, ds4_vec_dot_iq2_xxs_q8_K,
     l. 1769-1976).
     Mirrors ds4.c: f16_to_f32 (l. 1514)
     """
-    _type_info(ggml_type)
-    t = int(ggml_type)
-    b = _blocks(raw, t)
-    if t in (F32, F16, BF16):
-        return _dequantize_float(b, t)
-    decode = {Q8_0: _dequantize_q8_0, Q8_K: _dequantize_q8_K, Q2_K: _dequantize_q2_K,
-              Q4_K: _dequantize_q4_K, IQ2_XXS: _dequantize_iq2_xxs}[t]
+    row = type_traits(ggml_type)
+    b = _blocks(raw, row.id)
     return (
-        decode(raw)
-        .reshape(*b.shape[:-1], b.shape[-1] * BLOCKS[t][0])
+        row.decode(raw)
+        .reshape(*b.shape[:-1], b.shape[-1] * row.block)
         .astype(np.float32, copy=False)
     )

@@ -118,6 +118,24 @@ def test_auto_takes_no_accelerator_without_a_verification_record(monkeypatch):
                   "its hardware yet")
 
 
+def test_one_registry_names_and_builds_every_backend():
+    """Each row of REGISTRY names a module and class that build the backend of its name; BACKENDS and the
+    order in which auto tries the accelerators (CUDA, then Metal) are read off it; only numpy's batch is its decode."""
+    import importlib
+    from ds4ref.backend import NumpyBackend
+    from ds4ref.backends import ACCELERATORS, REGISTRY
+    for name, spec in REGISTRY.items():
+        cls = getattr(importlib.import_module(spec.module), spec.cls)
+        assert issubclass(cls, NumpyBackend) and cls.name == name, name
+        assert spec.hardware in HARDWARE and spec.resident == (spec.hardware != "cpu"), name
+        assert cls.batch_is_decode == (name == "numpy"), name
+    assert BACKENDS == tuple(REGISTRY) and set(BACKENDS) == {"numpy", "numba", "mlx", "cupy"}
+    assert [(a[0], a[1]) for a in ACCELERATORS] == [("cupy", "cuda"), ("mlx", "apple-gpu")]
+    assert type(get_backend("numba")).__name__ == REGISTRY["numba"].cls and get_backend("numpy") is NUMPY
+    with pytest.raises(BackendError, match="'tpu': unknown; choose one of numpy, numba, mlx, cupy or 'auto'"):
+        backend_status("tpu")
+
+
 def test_every_verification_record_names_evidence_in_the_repository():
     root = Path(__file__).resolve().parents[1]
     for (name, hw), evidence in VERIFIED.items():

@@ -9,12 +9,12 @@ import gguf
 import numpy as np
 import pytest
 
-from ds4ref.backend import NUMPY, QUANT_TYPES, UnimplementedOpError, quant_type, weight_op
+from ds4ref.backend import NUMPY, UnimplementedOpError, quant_type, weight_op
 from ds4ref.backends import get_backend
 from ds4ref.config import ModelConfig
 from ds4ref.engine import Engine
 from ds4ref.ggml_types import GGMLType
-from ds4ref.matvec import MatvecError, matvec_q8_0_prequant
+from ds4ref.matvec import MatvecError, matvec_f16, matvec_f32, matvec_q8_0_prequant
 from ds4ref.quant import F32, Q8_0, quantize_q8_0, quantize_q8_K
 from ds4ref.dev.quantize import quantize
 from ds4ref.weights import Tensor, load_model
@@ -59,9 +59,9 @@ def test_project_dispatches_on_type():
     assert np.array_equal(NUMPY.project(q8w, a), matvec_q8_0_prequant(q8w, a))
     deq = gguf.quants.dequantize(q8w.data, gguf.GGMLQuantizationType.Q8_0).astype(np.float64)
     assert rel(NUMPY.project(q8w, x), deq @ x) < 2e-2            # Q8_0(x): about 1 % per value
-    # one row per type: the projected types' kernels
-    assert {QUANT_TYPES[t].matvec for t in (F32, 1, Q8_0)} == {"matvec_f32", "matvec_f16",
-                                                                "matvec_q8_0_prequant"}
+    # numpy's row per type: the projected types' kernels are chapter 3's references
+    assert [NUMPY.kernels[t].matvec for t in (F32, 1, Q8_0)] == [matvec_f32, matvec_f16,
+                                                                  matvec_q8_0_prequant]
     assert quant_type(q8w).activation == "Q8_0" and quant_type(f32).activation == "float"
 
 
@@ -86,7 +86,7 @@ def test_weight_op_covers_every_tensor(q2_model, q4_model):
         assert ops["blk.2.attn_compressor_ape.weight"] is None and ops["blk.0.ffn_gate_tid2eid.weight"] is None
         assert ops["blk.1.ffn_gate_exps.weight"] == "experts_mid"
         assert ops["blk.1.ffn_down_exps.weight"] == "experts_down"
-        assert quant_type(w.layers[1].ffn_gate_exps).matvec == gate
+        assert NUMPY.kernels[quant_type(w.layers[1].ffn_gate_exps).id].matvec.__name__ == gate
 
 
 def test_q4_K_experts_against_gguf_dequantization(q4_model):

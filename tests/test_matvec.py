@@ -7,12 +7,12 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from ds4ref.backend import (COMPOSED, GLUE, KERNELS, NUMPY, QUANT_TYPES, SEAM, TYPE_KERNELS, BackendError,
-                            NumpyBackend, UnimplementedOpError, coverage)
+from ds4ref.backend import (COMPOSED, GLUE, KERNELS, KERNELS_BY_TYPE, NUMPY, SEAM, TYPE_KERNELS, BackendError,
+                            NumpyBackend, TypeKernels, UnimplementedOpError, coverage)
 from ds4ref.backends import get_backend
 from ds4ref.backends.numba_backend import NumbaBackend
 from ds4ref.matvec import MatvecError, matvec_f16, matvec_q8_0, matvec_q8_0_prequant
-from ds4ref.quant import Q8Act, Q8KAct, QuantError, quantize_q8_0, quantize_q8_K
+from ds4ref.quant import TYPES, Q8Act, Q8KAct, QuantError, quantize_q8_0, quantize_q8_K
 from ds4ref.dev.quantize import quantize
 
 from _helpers import q8, q8k, rel
@@ -345,8 +345,8 @@ def test_backends_share_one_interface():
 
 
 def test_the_contract_names_what_the_model_calls():
-    """The seam is declared once (SEAM: kernels, glue, placement) and the type kernels are named by QUANT_TYPES'
-    rows: every `be.<name>` in the model's modules is a member of SEAM, a composition numpy builds from them, or what
+    """The seam is declared once (SEAM: kernels, glue, placement) and the type kernels are named per weight type
+    (KERNELS_BY_TYPE): every `be.<name>` in the model's modules is a member of SEAM, a composition numpy builds from them, or what
     the engine asks of a backend when it opens a file; each of KERNELS is called."""
     import re
     from pathlib import Path
@@ -356,12 +356,15 @@ def test_the_contract_names_what_the_model_calls():
         if path.name not in ("backend.py",):
             called |= set(re.findall(r"\bbe\.(\w+)\b", path.read_text()))
     seam = {m for group in SEAM.values() for m in group}
-    engine = {"check_weights", "strict", "on_device", "implements", "partial", "is_strict", "name"}
+    engine = {"check_weights", "strict", "on_device", "implements", "partial", "is_strict", "name", "batch_is_decode"}
     composed = {"expert_pair", "expert_matvec", "matvec_q8_0"}
     assert set(SEAM) == {"kernels", "glue", "placement"} and SEAM["kernels"] == KERNELS and SEAM["glue"] == GLUE
     assert set(KERNELS) <= called
     assert called - engine - composed <= seam, called - engine - composed - seam
-    assert set(TYPE_KERNELS) == {k for q in QUANT_TYPES.values() for k in (q.matvec, q.pair) if k}
+    assert set(TYPE_KERNELS) == {k for ks in KERNELS_BY_TYPE.values() for k in ks}
+    assert set(KERNELS_BY_TYPE) == {t for t, q in TYPES.items() if q.activation}
+    for t, ks in KERNELS_BY_TYPE.items():       # each backend's row: its own methods
+        assert NUMBA.kernels[t] == TypeKernels(*(getattr(NUMBA, k) for k in ks))
     assert not set(KERNELS) & set(GLUE) and not set(KERNELS) & set(TYPE_KERNELS)
     assert coverage(NUMPY) == {op: "own" for op in KERNELS + TYPE_KERNELS}
 

@@ -4,9 +4,12 @@
 implementations, chosen by name."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import platform
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -23,7 +26,62 @@ from ds4ref.backend import (
 from ds4ref.backends.common import check_attention_args, expert_ids, row_mask
 from ds4ref.weights import f32_of
 
-BACKENDS = ("numpy", "numba", "mlx", "cupy")
+
+def _numpy_status() -> tuple[bool, str]:
+    return True, "the reference, always available"
+
+
+def _numba_status() -> tuple[bool, str]:
+    ok = importlib.util.find_spec("numba") is not None
+    return ok, "parallel CPU kernels" if ok else "package 'numba' is not installed"
+
+
+def _mlx_status() -> tuple[bool, str]:
+    if importlib.util.find_spec("mlx") is None:
+        return False, "package 'mlx' is not installed (pip install 'mlx[cpu]' on Linux)"
+    return True, ("MLX on the Apple GPU (Metal)" if _mlx_gpu()
+                  else "MLX on the CPU (no Apple GPU here)")
+
+
+def _cupy_status() -> tuple[bool, str]:
+    if importlib.util.find_spec("cupy") is None:
+        return False, ("package 'cupy' is not installed (pip install -r "
+                       "requirements-cuda.txt)")
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # a CUDA driver problem surfaces here, not at import
+        return False, f"CuPy cannot reach a CUDA device ({type(exc).__name__}: {exc})"
+    return (n > 0), f"{n} CUDA device(s)" if n else "no CUDA device"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One row of the registry: a backend's name, the module and class that build it,
+    the check of whether it can run here, the hardware it computes on with the label
+    `auto` gives it, and whether it has a resident (on-device) form.
+    Mirrors ds4.c: nothing (ds4.c picks its backend at build time)"""
+    name: str
+    module: str
+    cls: str
+    status: Callable[[], tuple[bool, str]]
+    hardware: str = "cpu"
+    label: str = ""
+    resident: bool = False
+    auto_order: int = 0             # an accelerator's turn when `auto` tries them
+
+
+# the one list of backends
+REGISTRY = {b.name: b for b in (
+    BackendSpec("numpy", "ds4ref.backend", "NumpyBackend", _numpy_status),
+    BackendSpec("numba", "ds4ref.backends.numba_backend", "NumbaBackend",
+                _numba_status),
+    BackendSpec("mlx", "ds4ref.backends.mlx_backend", "MlxBackend", _mlx_status,
+                "apple-gpu", "MLX's Metal path", resident=True, auto_order=2),
+    BackendSpec("cupy", "ds4ref.backends.cupy_backend", "CupyBackend", _cupy_status,
+                "cuda", "CUDA", resident=True, auto_order=1),
+)}
+BACKENDS = tuple(REGISTRY)
 
 # 'auto' takes a backend only on a kind of hardware where its results have been checked
 # against ds4.c's oracle. One record per (backend, hardware), naming the evidence. MLX's
@@ -45,7 +103,8 @@ HARDWARE = {
     "cpu": "CPU",
 }
 # tried first, in this order
-ACCELERATORS = (("cupy", "cuda", "CUDA"), ("mlx", "apple-gpu", "MLX's Metal path"))
+ACCELERATORS = tuple((b.name, b.hardware, b.label) for b in sorted(
+    REGISTRY.values(), key=lambda b: b.auto_order) if b.hardware != "cpu")
 
 
 def backend_status(name: str) -> tuple[bool, str]:
@@ -53,42 +112,11 @@ def backend_status(name: str) -> tuple[bool, str]:
 
     Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make cpu / metal /
     cuda)"""
-    if name == "numpy":
-        return True, "the reference, always available"
-    if name == "numba":
-        ok = importlib.util.find_spec("numba") is not None
-        return ok, "parallel CPU kernels" if ok else "package 'numba' is not installed"
-    if name == "mlx":
-        if importlib.util.find_spec("mlx") is None:
-            return (
-                False,
-                "package 'mlx' is not installed (pip install 'mlx[cpu]' on Linux)",
-            )
-        return (
-            True,
-            "MLX on the Apple GPU (Metal)"
-            if _mlx_gpu()
-            else "MLX on the CPU (no Apple GPU here)",
+    if name not in REGISTRY:
+        raise BackendError(
+            f"backend {name!r}: unknown; choose one of {', '.join(BACKENDS)} or 'auto'"
         )
-    if name == "cupy":
-        if importlib.util.find_spec("cupy") is None:
-            return (
-                False,
-                "package 'cupy' is not installed (pip install -r "
-                "requirements-cuda.txt)",
-            )
-        try:
-            import cupy
-            n = cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # a CUDA driver problem surfaces here, not at import
-            return (
-                False,
-                f"CuPy cannot reach a CUDA device ({type(exc).__name__}: {exc})",
-            )
-        return (n > 0), f"{n} CUDA device(s)" if n else "no CUDA device"
-    raise BackendError(
-        f"backend {name!r}: unknown; choose one of {', '.join(BACKENDS)} or 'auto'"
-    )
+    return REGISTRY[name].status()
 
 
 def _mlx_gpu() -> bool:
@@ -183,17 +211,9 @@ def get_backend(
     if not ok:
         raise BackendError(f"backend {key!r} is not available here: {why}")
     if key not in _INSTANCES:
-        if key == "numpy":
-            _INSTANCES[key] = NUMPY
-        elif key == "numba":
-            from ds4ref.backends.numba_backend import NumbaBackend
-            _INSTANCES[key] = NumbaBackend()
-        elif key == "mlx":
-            from ds4ref.backends.mlx_backend import MlxBackend
-            _INSTANCES[key] = MlxBackend()
-        else:
-            from ds4ref.backends.cupy_backend import CupyBackend
-            _INSTANCES[key] = CupyBackend()
+        spec = REGISTRY[key]
+        cls = getattr(importlib.import_module(spec.module), spec.cls)
+        _INSTANCES[key] = NUMPY if cls is NumpyBackend else cls()
     if not strict:
         return _INSTANCES[key]
     if key not in _STRICT:

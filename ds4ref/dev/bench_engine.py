@@ -73,14 +73,15 @@ def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -
     device arrays (Engine.open(..., resident=True)).
 
     Mirrors ds4.c: nothing (benchmark harness; ds4.c's CLI prints the same tokens/s)"""
-    from ds4ref.backends import get_backend
+    from ds4ref.backends import REGISTRY, get_backend
     from ds4ref.engine import Engine
     name = backend.removesuffix("-resident")
     resident = name != backend
     # a backend that keeps uploaded copies of the weights (MLX, CuPy) is made afresh,
     # so that its copies go with it: held for the rest of the run they crowd the page
     # cache that the programs timed after it read their weights from
-    be = type(get_backend(name))() if name in ("mlx", "cupy") else name
+    spec = REGISTRY.get(name)
+    be = type(get_backend(name))() if spec and spec.resident else name
     eng = (Engine.open(path, backend=be, resident=True, ctx_size=ctx) if resident
            else Engine.open(path, backend=be))
     # every weight page mapped, as ds4.c's --warm-weights does
