@@ -264,7 +264,7 @@ class NumpyBackend:
 
     def expert_matvec(self, w3):
         """This backend's row matvec against Q8_K for the type of the expert tensor
-        w3. Mirrors ds4.c: routed_expert_block_bytes (l. 2302)"""
+        w3. Mirrors ds4.c: routed_expert_block_bytes (l. 2301)"""
         q = quant_type(w3)
         if q.activation != "Q8_K":
             raise MatvecError(f"tensor {w3.name!r}: {q.name} is not a routed-expert "

@@ -149,7 +149,8 @@ def sample(
         ):
             return int(ids[np.argmax(v[ids])])
         return int(ids[keep][_draw(probs[keep], rng)])
-    # descending by logit, ties to the lower id (a stable sort = ds4's insertion sort)
+    # descending, ties to the lower id: ds4's insertion sort under top-k; without top-k
+    # ds4 uses qsort, whose order of ties is the C library's
     order = ids[np.argsort(-v[ids], kind="stable")]
     if top_k > 0:
         order = order[:min(int(top_k), TOP_K_MAX, v.size)]

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ds4ref.backend import NUMPY
 from ds4ref.dev.oracle import (
+    COUNTS,
     EXPERT_MEASURES,
     INDEXER_MEASURES,
     Rebuilds,
@@ -186,6 +187,25 @@ def test_the_yardstick_refuses_a_run_past_it(rebuilds, golden_C):
     bad[np.arange(len(bad)), np.argmin(bad, -1)] += 30.0
     with pytest.raises(YardstickError, match="rows whose argmax differs 17 > "):
         rebuilds.check("C", "batch", golden_C, distance_to_golden(bad, golden_C, "batch"))
+
+
+def test_the_yardstick_table_shows_each_measure_beside_the_furthest_rebuild(rebuilds, golden_C):
+    """Rebuilds.table prints, per measure, ours in the masked bracket, the furthest rebuild's
+    value (the max over the six rebuilds' own distances) and the limit (1.25 x it, counts
+    also 1 + 2 sqrt); a run exactly at the furthest rebuild passes, one past a limit raises."""
+    d = list(rebuilds.distances("C", "batch", golden_C).values())
+    far = {k: max(x[k] for x in d) for k in d[0]}
+    lines = rebuilds.table("C", "batch", golden_C, far).splitlines()
+    assert lines[0].split()[:2] == ["measure", "ours"] and len(lines) == 1 + len(far)
+    for line, (k, w) in zip(lines[1:], far.items()):
+        count = k in COUNTS
+        limit = 1.25 * w + (1 + 2 * np.sqrt(w) if count else 0)
+        shown = (str(int(w)), f"<= {int(limit)}") if count else (f"{w:.4g}", f"<= {limit:.4g}")
+        assert line.startswith(k) and "[measured" in line
+        assert line.split("]")[1].split() == [shown[0], *shown[1].split()]
+    over = dict(far, **{"mean |d| (worst row)": 1.3 * far["mean |d| (worst row)"]})
+    with pytest.raises(YardstickError, match="mean \\|d\\| \\(worst row\\)"):
+        rebuilds.table("C", "batch", golden_C, over)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "numba"])

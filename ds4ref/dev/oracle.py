@@ -150,6 +150,17 @@ def judge(what: str, ours: dict, limits: dict, counts=COUNTS) -> dict:
             for k in ours}
 
 
+def yardstick_table(ours: dict, furthest: dict, limits: dict, counts=COUNTS) -> str:
+    """One aligned line per measure: ours (in the bracket the tests mask, its digits
+    depend on the machine), the furthest rebuild and the limit (both from files)."""
+    num = lambda k, x: str(int(x)) if k in counts else f"{x:.4g}"  # noqa: E731
+    w = max(map(len, ours))
+    head = f"{'measure':<{w}}  {'ours':<20}  {'furthest rebuild':>16}  {'limit':>11}"
+    return "\n".join([head] + [
+        f"{k:<{w}}  [measured {num(k, ours[k]):>9}]  {num(k, furthest[k]):>16}  "
+        f"{'<= ' + num(k, limits[k]):>11}" for k in ours])
+
+
 def rows_view(golden, path: str, index) -> dict:
     """A golden file's layout holding only the rows `index` (a slice or an index array)
     of one path, so that the yardstick can be applied to part of a run."""
@@ -193,16 +204,29 @@ class Rebuilds:
         YardstickError naming every measure past its limit."""
         return judge(f"case {case} {path}", ours, self.limits(case, path, golden))
 
-    def limits_rows(self, case: str, path: str, golden, index) -> dict:
-        """limits on the rows `index` of a path (a slice or an index array), set by
-        the rebuilds' same rows."""
+    def table(self, case: str, path: str, golden, ours: dict) -> str:
+        """check, then yardstick_table: each measure of ours beside the furthest
+        rebuild's and the limit."""
+        self.check(case, path, golden, ours)
+        d = list(self.distances(case, path, golden).values())
+        return yardstick_table(ours, {k: max(x[k] for x in d) for k in d[0]},
+                               self.limits(case, path, golden))
+
+    def furthest_rows(self, case: str, path: str, golden, index) -> dict:
+        """{measure: the furthest rebuild's value} on the rows `index` of a path."""
         view, d = rows_view(golden, path, index), []
         for v in self.variants:
             key = f"{case}.{path}.{v}"
             m = {k: self.data[f"{key}.{k}"][index]
                  for k in ("corr", "mean_abs", "max_abs")}
             d.append(_distance(m, self.data[f"{key}.argmax"][index], view, path, None))
-        return {k: yardstick_limit(max(x[k] for x in d), k in COUNTS) for k in d[0]}
+        return {k: max(x[k] for x in d) for k in d[0]}
+
+    def limits_rows(self, case: str, path: str, golden, index) -> dict:
+        """limits on the rows `index` of a path (a slice or an index array), set by
+        the rebuilds' same rows."""
+        return {k: yardstick_limit(w, k in COUNTS)
+                for k, w in self.furthest_rows(case, path, golden, index).items()}
 
     def check_rows(self, case: str, path: str, golden, rows, index) -> dict:
         """check on some rows of a path: ours [len(index), V] against ds4.c's rows
@@ -210,6 +234,13 @@ class Rebuilds:
         d = distance_to_golden(rows, rows_view(golden, path, index), path)
         lim = self.limits_rows(case, path, golden, index)
         return judge(f"case {case} {path}, some rows", d, lim)
+
+    def table_rows(self, case: str, path: str, golden, rows, index) -> str:
+        """check_rows, then yardstick_table on those rows."""
+        self.check_rows(case, path, golden, rows, index)
+        d = distance_to_golden(rows, rows_view(golden, path, index), path)
+        return yardstick_table(d, self.furthest_rows(case, path, golden, index),
+                               self.limits_rows(case, path, golden, index))
 
 
 EXPERT_MEASURES = ("share of chosen experts not ds4's", COUNTS[0],

@@ -83,7 +83,7 @@ def losses(model, x, tabs, rec: Recipe) -> tuple[dict, dict]:
     logits, H = model(inp, tabs, stats)
     V = cfg.n_vocab
     out = dict(main=F.cross_entropy(logits.reshape(-1, V), tgt.reshape(-1)))
-    H = H.detach()  # the MTP head never changes the main model
+    H = H.detach()  # no MTP gradient into the main layers; embedding, output are shared
     m1, M = model.mtp(inp, H, tabs, stats)  # (x_t, H_t) -> x_{t+1}, as ds4.c drafts
     out["mtp1"] = F.cross_entropy(m1.reshape(-1, V), tgt.reshape(-1))
     m2, _ = model.mtp(tgt[:, :-1], M[:, :-1], tabs, stats)  # (x_{t+1}, M_t) -> x_{t+2}
