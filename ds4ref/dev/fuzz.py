@@ -54,6 +54,8 @@ def _child(target, path, w: int, memory: int, cpu: float) -> None:
     """In the forked child: limit the address space and the CPU time, run target(path),
     report one [outcome, detail] line on the pipe, and exit without returning."""
     from ds4ref.gguf import DS4RefError
+    import faulthandler
+    faulthandler.disable()     # a crash is the parent's to report, from the exit status
     null = os.open(os.devnull, os.O_WRONLY)   # the report is the pipe's line
     os.dup2(null, 2)
     try:
