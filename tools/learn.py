@@ -29,6 +29,8 @@ import sys
 import types
 from pathlib import Path
 
+from tangle import _directives  # tools/: the tangler's reading of `#|` lines
+
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 LEARN = ROOT / "learn"
@@ -104,12 +106,9 @@ def learner_path(nn: str) -> Path:
 
 
 def _marks(src: str) -> tuple[list[str], str | None]:
-    """(the cell's `#|` directives, its export module or None)."""
-    marks = []
-    for line in src.splitlines():
-        if not line.startswith("#|"):
-            break
-        marks.append(line[2:].strip())
+    """(the cell's `#|` directives, as the tangler reads them; its export module or
+    None)."""
+    marks, _ = _directives(src)
     return marks, next((m.partition(" ")[2].strip() for m in marks
                         if m.split(" ")[0] == "export"), None)
 
