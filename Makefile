@@ -24,7 +24,7 @@ check-tangle: $(STAMP)
 
 ## re-execute every chapter in place (stored outputs)
 run-chapters: $(STAMP)
-	$(VPY) tools/nb.py run book/[0-9][0-9]_*.ipynb
+	$(VPY) tools/nb.py run book/[0-9][0-9]_*.ipynb book/[A-Z]_*.ipynb
 
 ## the main job: build the book offline (warnings are errors), English in _build/html/ and
 ## the Chinese edition in _build/html/zh/, then generate on the bundled model

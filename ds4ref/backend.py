@@ -146,7 +146,7 @@ class NumpyBackend:
     # matvec a token at a time
     f16_batch_invariant = False
     # whether a batch of tokens gets the bits of decoding them one by one (MTP's
-    # verification, chapter 11, relies on it): numpy's own kernels only; a subclass
+    # verification, chapter 10, relies on it): numpy's own kernels only; a subclass
     # that declares nothing is taken not to
     batch_is_decode = True
     # the type kernels: chapters 2-3's references

@@ -81,7 +81,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not gpu and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-        if not torch_ok and Path(str(item.fspath)).name == "12_training.ipynb":
+        if not torch_ok and Path(str(item.fspath)).name == "B_training.ipynb":
             item.add_marker(skip_torch)
 
 

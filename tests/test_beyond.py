@@ -1,4 +1,4 @@
-"""Chapter 10 (book/11_beyond.ipynb): think modes, argmax_excluding / token_logprob, directional steering, MTP speculative decoding."""
+"""Chapter 10 (book/10_beyond.ipynb): think modes, argmax_excluding / token_logprob, directional steering, MTP speculative decoding."""
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Chapter 10.5 (book/11_beyond.ipynb): generate and stream_generate, the CLI's stop reasons, and
+"""Chapter 10.5 (book/10_beyond.ipynb): generate and stream_generate, the CLI's stop reasons, and
 what `import ds4ref` shows (dir, tab completion, help)."""
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ CHAPTERS = zh.chapters([])
 
 def test_every_chapter_of_the_book_is_covered():
     names = {p.name for p in CHAPTERS}
-    on_disk = {p.name for p in (ROOT / "book").glob("[0-9][0-9]_*.ipynb")}
+    on_disk = {p.name for p in [*(ROOT / "book").glob("[0-9][0-9]_*.ipynb"),
+                                *(ROOT / "book").glob("[A-Z]_*.ipynb")]}
     assert names == on_disk
 
 
@@ -77,7 +78,7 @@ def test_check_names_a_lost_link():
     assert zh.structure(en)["links"] != zh.structure(zh_bad)["links"]
 
 
-@pytest.mark.parametrize("page", ["book/00_intro", "book/14_cpu_kernels", "index"])
+@pytest.mark.parametrize("page", ["book/00_intro", "book/D_cpu_kernels", "index"])
 def test_twin_links_point_at_the_same_page(page):
     """Resolve each relative link from the page's own folder, as a browser does."""
     here = posixpath.dirname(page)

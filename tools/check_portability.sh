@@ -33,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 NB=("$@")
-[ ${#NB[@]} -eq 0 ] && NB=(book/[0-9][0-9]_*.ipynb)
+[ ${#NB[@]} -eq 0 ] && NB=(book/[0-9][0-9]_*.ipynb book/[A-Z]_*.ipynb)
 DEFAULT="unset haswell one-thread no-avx512"
 [ "$(uname -m)" = x86_64 ] && DEFAULT="$DEFAULT zen3 zen4"
 NAMED=${SETTINGS:+yes}

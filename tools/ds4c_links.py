@@ -73,7 +73,8 @@ def link_text(text: str) -> str:
 
 
 def chapters():
-    return sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+    book = ROOT / "book"
+    return sorted([*book.glob("[0-9][0-9]_*.ipynb"), *book.glob("[A-Z]_*.ipynb")])
 
 
 def unlinked(path: Path) -> list[int]:

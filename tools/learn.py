@@ -95,7 +95,7 @@ class LearnError(Exception):
 
 def chapter_path(nn: str) -> Path:
     hits = sorted(BOOK.glob(f"{nn}_*.ipynb"))
-    if len(nn) != 2 or not hits:
+    if not (len(nn) == 2 and nn.isdigit() or len(nn) == 1 and "A" <= nn <= "Z") or not hits:
         raise LearnError(f"chapter {nn!r}: no book/{nn}_*.ipynb (core chapters: "
                          f"{', '.join(CORE)})")
     return hits[0]

@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """The Chinese edition: keep its translations in step with the English, and build it.
 
-    tools/zh.py sync [NN ...]    write locale/zh/<chapter>.md in the chapters' cell order:
+    tools/zh.py sync [ID ...]    write locale/zh/<chapter>.md in the chapters' cell order:
                                  current translations kept, changed cells marked stale
                                  (old translation kept), new cells added empty
-    tools/zh.py status [NN ...]  per chapter: translated, stale, missing; exit 1 if any gap
-    tools/zh.py check [NN ...]   each translation keeps its English cell's links, refs,
+    tools/zh.py status [ID ...]  per chapter: translated, stale, missing; exit 1 if any gap
+    tools/zh.py check [ID ...]   each translation keeps its English cell's links, refs,
                                  math, code and headings; exit 1 on the first chapter that
                                  does not
     tools/zh.py build            build the Chinese edition into _build/html/zh/
                                  (after `jupyter-book build .` made the English one)
 
-A chapter is named by its number (`03`) or its file name; none means every chapter.
+A chapter is named by its number (`03`), an appendix by its letter (`A`), or either by its
+file name (`03_matvec`, `A_oracle`); none means every chapter and appendix.
 """
 from __future__ import annotations
 
@@ -44,7 +45,12 @@ def chapters(args: list[str]) -> list[Path]:
     paths = [ROOT / f"{f}.ipynb" for f in files]
     if not args:
         return paths
-    return [p for p in paths if any(p.name.startswith(a) or p.stem == a for a in args)]
+    named = {a: [p for p in paths if p.stem.split("_")[0] == a or p.stem == a] for a in args}
+    unknown = [a for a, hits in named.items() if not hits]
+    if unknown:
+        ids = ", ".join(p.stem.split("_")[0] for p in paths)
+        raise SystemExit(f"no chapter or appendix {', '.join(unknown)} (the ids: {ids})")
+    return [p for p in paths if any(p in hits for hits in named.values())]
 
 
 def english_cells(nb_path: Path) -> list[tuple[int, str]]:

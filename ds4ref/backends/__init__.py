@@ -94,7 +94,7 @@ VERIFIED: dict[tuple[str, str], str] = {
     ),
     ("numpy", "cpu"): (
         "the reference: tests/test_engine.py (the rebuild yardstick) and "
-        "book/10_oracle.ipynb"
+        "book/A_oracle.ipynb"
     ),
 }
 HARDWARE = {

@@ -13,7 +13,7 @@ must reproduce the golden files bit for bit, which checks the harness.
 writes data/oracle/rebuilds.npz and data/oracle/rebuilds.json.
 
     python tools/ds4c/rebuilds.py --ds4 PATH/TO/ds4-checkout --steering
-writes data/oracle/rebuilds_steering.npz and .json: the same measures for chapter 11's steering goldens
+writes data/oracle/rebuilds_steering.npz and .json: the same measures for chapter 10's steering goldens
 (data/oracle/ds4c_steering.npz: three settings, both paths, the recorded greedy tokens fed), from every build
 this machine can execute. Those goldens come from the Makefile build on the oracle's AVX-512 machine; here the
 Makefile flags (-march=native) give another build, kept as the sample "makefile" (on the oracle's machine kind
@@ -249,7 +249,7 @@ def main() -> None:
     ap.add_argument("--reuse-builds", action="store_true",
                     help="keep the builds already in --work (same source, same flags)")
     ap.add_argument("--steering", action="store_true",
-                    help="chapter 11's steering goldens instead: writes data/oracle/rebuilds_steering.*")
+                    help="chapter 10's steering goldens instead: writes data/oracle/rebuilds_steering.*")
     ap.add_argument("--indexer", action="store_true",
                     help="case A with the indexer's selections logged: writes data/oracle/rebuilds_indexer.*")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama-mtp-logits (tools/llama_cpp/mtp_logits.cpp): llama.cpp's DeepSeek V4 MTP block run
-# step by step, for the MTP cross-check of chapter 11 (tools/llama_cpp/mtp_crosscheck.py).
+# step by step, for the MTP cross-check of chapter 10 (tools/llama_cpp/mtp_crosscheck.py).
 #
 #   tools/llama_cpp/build_mtp.sh OUTDIR        # -> OUTDIR/bin/llama-mtp-logits
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Record llama.cpp's MTP block on ds4ref's bundled tiny model (seed 7) for chapter 11's check.
+"""Record llama.cpp's MTP block on ds4ref's bundled tiny model (seed 7) for chapter 10's check.
 
     python tools/llama_cpp/mtp_crosscheck.py OUTDIR [data/llama_cpp/mtp_tiny_seed7.npz]
 
