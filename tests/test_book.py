@@ -156,3 +156,55 @@ def test_core_chapters_show_at_most_600_lines_of_code():
     assert len(counts) == len(CORE), sorted(counts)
     over = {name: n for name, n in counts.items() if n > 600}
     assert not over, f"chapters showing more than 600 code lines: {over}"
+
+
+def _file_id(chapter: Path) -> str:
+    """A chapter file's id as the reader sees it: '3' for 03_matvec, 'A' for A_oracle."""
+    head = chapter.stem.split("_")[0]
+    return str(int(head)) if head.isdigit() else head
+
+
+def _section_headings(markdown: str) -> list[str]:
+    """The '## ' headings of a markdown text, outside fenced code."""
+    out, fence = [], False
+    for line in markdown.split("\n"):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence and line.startswith("## "):
+            out.append(line)
+    return out
+
+
+def test_file_names_are_the_numbers_and_letters_the_reader_sees():
+    """Chapter 3 is 03_*.ipynb and appendix A is A_*.ipynb: the title says so."""
+    ids = [_file_id(p) for p in CHAPTER_FILES]
+    assert ids == [str(n) for n in range(11)] + list("ABCDEFGH"), ids
+    wrong = []
+    for chapter in CHAPTER_FILES[1:]:  # the introduction's title has no number
+        cells = json.loads(chapter.read_text())["cells"]
+        title = "".join(cells[0]["source"]).split("\n")[0]
+        if not title.startswith(f"# {_file_id(chapter)}. "):
+            wrong.append(f"{chapter.name}: {title!r}")
+    assert not wrong, wrong
+
+
+def test_sections_are_numbered_the_same_way_in_every_chapter():
+    """Every '## ' section of chapter N (appendix L) is 'N.k' (L.k), k = 1, 2, ... in order,
+    Exercises excepted, in both editions."""
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    import edition
+
+    wrong = []
+    for chapter in CHAPTER_FILES[1:]:
+        cells = [c for c in json.loads(chapter.read_text())["cells"]
+                 if c["cell_type"] == "markdown"]
+        table = edition.current_translations(ROOT / "locale" / "zh" / f"{chapter.stem}.md")
+        for edition_name, texts in (
+                ("en", ["".join(c["source"]) for c in cells]),
+                ("zh", [table.get(edition.cell_key("".join(c["source"])), "") for c in cells])):
+            heads = [h for t in texts for h in _section_headings(t)]
+            numbered = [h for h in heads if h not in ("## Exercises", "## 练习")]
+            want = [f"## {_file_id(chapter)}.{k} " for k in range(1, len(numbered) + 1)]
+            wrong += [f"{chapter.name} ({edition_name}): {h!r} should start {w!r}"
+                      for h, w in zip(numbered, want) if not h.startswith(w)]
+    assert not wrong, "\n".join(wrong)
