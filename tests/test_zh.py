@@ -258,3 +258,87 @@ def test_ui_config_only_on_chinese_pages(language, monkeypatch):
         assert config.togglebutton_hint_hide == "点击隐藏"
         assert app.translator is translators["general", "sphinx"]
         assert app.translator.gettext("Color mode") == "颜色模式"
+
+
+def test_section_ids_are_those_of_the_english_page():
+    heads = ["# 3. Quantized matvec", "## 3.2 Q8_0 × Q8_0: an integer dot per block",
+             "## 7.3 The router: $p = \\sqrt{\\mathrm{softplus}(\\ell)}$",
+             "## 1.4 The shape: `ModelConfig`", "## Exercises", "## Exercises",
+             "## G.3 Part 3 · 注意力机制"]
+    assert edition.section_ids(heads) == [
+        "quantized-matvec", "q8-0-q8-0-an-integer-dot-per-block",
+        "the-router-p-sqrt-mathrm-softplus-ell", "the-shape-modelconfig", "exercises", "",
+        "g-3-part-3"]
+    # a `#` line in fenced code is no heading
+    assert edition.heading_lines("## 1.1 A\n```python\n# not a heading\n```\n### B") == [
+        "## 1.1 A", "### B"]
+
+
+def _translated_page(page: str):
+    """The Chinese page's doctree as the build makes it, from its translated markdown:
+    its sections, with the English ids `add_english_ids` gives them."""
+    from docutils.core import publish_doctree
+    from myst_parser.parsers.docutils_ import Parser
+
+    nb = json.loads((ROOT / "book" / f"{page}.ipynb").read_text())
+    english = edition.english_section_ids(nb)
+    table = edition.current_translations(ROOT / "locale" / "zh" / f"{page}.md")
+    assert edition.translate_notebook(nb, table) == []
+    zh_heads = [h for c in nb["cells"] if c["cell_type"] == "markdown"
+                for h in edition.heading_lines("".join(c["source"]))]
+    doc = publish_doctree("\n\n".join(zh_heads), parser=Parser(), settings_overrides={
+        "myst_enable_extensions": edition.MYST_EXTENSIONS, "doctitle_xform": False,
+        "report_level": 5, "myst_suppress_warnings": ["myst.header"]})
+    return english, doc, edition.add_english_ids(doc, english)
+
+
+def test_glossary_links_land_on_their_section_in_both_editions():
+    """Each glossary row links to `page.html#anchor`. The anchor is a section of the English
+    page, and the Chinese page's section (whose heading is Chinese, so docutils would name it
+    otherwise) carries it too."""
+    from docutils import nodes
+
+    with open(ROOT / "data" / "glossary.tsv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    pages = {}
+    lost = []
+    for r in rows:
+        page, _, anchor = r["section"].partition("#")
+        if page not in pages:
+            pages[page] = _translated_page(page)
+        english, doc, problems = pages[page]
+        assert problems == [], (page, problems)
+        if anchor not in english:
+            lost.append(f"{r['english']}: no section #{anchor} on the English {page}")
+        target = doc.ids.get(anchor)
+        if not isinstance(target, nodes.section):
+            lost.append(f"{r['english']}: no section #{anchor} on the Chinese {page}")
+    assert not lost, "\n".join(lost)
+    # the glossary page's stored table links exactly these targets
+    out = json.loads((ROOT / "book" / "H_glossary.ipynb").read_text())
+    html = "".join("".join(o.get("data", {}).get("text/html", []))
+                   for c in out["cells"] if c["cell_type"] == "code" for o in c["outputs"])
+    import re
+    assert sorted(re.findall(r'<a href="([^"]+)">', html)) == sorted(
+        "{}.html#{}".format(*r["section"].split("#")) for r in rows)
+
+
+def test_a_chinese_heading_alone_would_lose_the_english_anchor():
+    """Without add_english_ids a Chinese heading's section has another id: the case the
+    extension exists for."""
+    from docutils.core import publish_doctree
+    from myst_parser.parsers.docutils_ import Parser
+
+    doc = publish_doctree("## 3.2 Q8_0 × Q8_0：每块一次整数点积", parser=Parser(),
+                          settings_overrides={"doctitle_xform": False, "report_level": 5})
+    assert "q8-0-q8-0-an-integer-dot-per-block" not in doc.ids
+    assert edition.add_english_ids(doc, ["q8-0-q8-0-an-integer-dot-per-block"]) == []
+    assert "q8-0-q8-0-an-integer-dot-per-block" in doc.ids
+    assert edition.add_english_ids(doc, ["a", "b"]) == ["1 sections, 2 English headings"]
+
+
+def test_chapters_are_named_by_number_or_letter():
+    assert [p.stem for p in zh.chapters(["A", "10"])] == ["10_beyond", "A_oracle"]
+    assert [p.stem for p in zh.chapters(["03_matvec"])] == ["03_matvec"]
+    with pytest.raises(SystemExit, match="no chapter or appendix 11"):
+        zh.chapters(["11"])

@@ -24,6 +24,10 @@ Between its English and its translation it quotes the English that translation w
     --- zh
     <the old translation, to mend>
 
+Each section of a Chinese page also carries the id of its English twin's section (its
+heading's slug, `add_english_ids`), so that a link to `page.html#slug`, such as the
+glossary's to the section that teaches a term, lands on the section in both editions.
+
 Every page of both editions also gets a link to its twin in the other edition, and on the
 Chinese pages the theme's own words (buttons, tooltips, the search box) are in simplified
 Chinese: see `UI_ZH`.
@@ -104,6 +108,64 @@ def translate_notebook(nb: dict, table: dict[str, str]) -> list[int]:
         else:
             cell["source"] = zh
     return missing
+
+
+MYST_EXTENSIONS = ["dollarmath", "amsmath", "colon_fence", "deflist", "html_image",
+                   "substitution"]  # as _config.yml's parse: the titles render the same
+
+
+def heading_lines(markdown: str) -> list[str]:
+    """The heading lines (`#` to `######`) of a markdown text, outside fenced code."""
+    out, fence = [], None
+    for line in markdown.split("\n"):
+        m = re.match(r"^[ \t]*(`{3,}|~{3,})", line)
+        if m and (fence is None or m[1].startswith(fence)):
+            fence = None if fence else m[1]
+        elif fence is None and re.match(r"^#{1,6} ", line):
+            out.append(line)
+    return out
+
+
+def section_ids(headings: list[str]) -> list[str]:
+    """The id docutils gives the section of each heading, in order, as the English page
+    has it (`## 3.2 Q8_0 × Q8_0: an integer dot per block` is
+    `q8-0-q8-0-an-integer-dot-per-block`); "" where the id is not made from the title
+    alone (a repeated title's is numbered by its place on the page)."""
+    from docutils import nodes
+    from docutils.core import publish_doctree
+    from myst_parser.parsers.docutils_ import Parser
+
+    doc = publish_doctree("\n\n".join(headings), parser=Parser(), settings_overrides={
+        "myst_enable_extensions": MYST_EXTENSIONS, "doctitle_xform": False,
+        "report_level": 5, "halt_level": 5, "myst_suppress_warnings": ["myst.header"]})
+    ids = []
+    for s in doc.findall(nodes.section):
+        natural = nodes.make_id(s[0].astext())  # from its title; a repeat gets another
+        ids.append(natural if natural and natural in s["ids"] else "")
+    if len(ids) != len(headings):
+        raise ValueError(f"{len(headings)} headings gave {len(ids)} sections")
+    return ids
+
+
+def english_section_ids(nb: dict) -> list[str]:
+    """section_ids of a notebook's markdown cells, in page order (before translation)."""
+    return section_ids([h for c in nb["cells"] if c["cell_type"] == "markdown"
+                        for h in heading_lines("".join(c["source"]))])
+
+
+def add_english_ids(doctree, english: list[str]) -> list[str]:
+    """Give each section of a translated page the id its English twin's section has, so a
+    link to `page.html#english-id` (the glossary's, any output's) lands on the section in
+    both editions. Return what could not be matched."""
+    from docutils import nodes
+    sections = list(doctree.findall(nodes.section))
+    if len(sections) != len(english):
+        return [f"{len(sections)} sections, {len(english)} English headings"]
+    for section, eid in zip(sections, english):
+        if eid and eid not in section["ids"] and eid not in doctree.ids:
+            section["ids"].append(eid)
+            doctree.ids[eid] = section
+    return []
 
 
 def twin_href(pagename: str, to_zh: bool) -> str:
@@ -225,6 +287,7 @@ def _translate(app, docname, source):
     name = Path(docname).name
     table = current_translations(Path(app.srcdir) / "locale" / "zh" / f"{name}.md")
     nb = json.loads(source[0])
+    app.env.temp_data["english_section_ids"] = english_section_ids(nb)
     missing = translate_notebook(nb, table)
     if missing:
         from sphinx.util import logging
@@ -232,6 +295,17 @@ def _translate(app, docname, source):
             f"{name}: markdown cells {missing} have no current Chinese translation "
             f"(run tools/zh.py status)", location=docname)
     source[0] = json.dumps(nb)
+
+
+def _english_ids(app, doctree):
+    english = app.env.temp_data.pop("english_section_ids", None)
+    if not _is_zh(app) or english is None:
+        return
+    for problem in add_english_ids(doctree, english):
+        from sphinx.util import logging
+        logging.getLogger(__name__).warning(
+            f"{app.env.docname}: the English section ids cannot be added: {problem}",
+            location=app.env.docname)
 
 
 def _switch(app, pagename, templatename, context, doctree):
@@ -247,6 +321,7 @@ def _switch(app, pagename, templatename, context, doctree):
 
 def setup(app):
     app.connect("source-read", _translate)
+    app.connect("doctree-read", _english_ids)
     app.connect("html-page-context", _switch)
     # before sphinx-togglebutton writes its hints into the pages' scripts
     app.connect("config-inited", _ui_config, priority=100)
