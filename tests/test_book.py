@@ -208,3 +208,35 @@ def test_sections_are_numbered_the_same_way_in_every_chapter():
             wrong += [f"{chapter.name} ({edition_name}): {h!r} should start {w!r}"
                       for h, w in zip(numbered, want) if not h.startswith(w)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_intro_shape_table_lists_every_constant_of_ds4c_enum():
+    """Chapter 0's table of ds4.c's shape `enum` (l. 86-109): every constant, with the real
+    value ds4ref pins (config_keys.DS4_SHAPE) and the tiny oracle model's."""
+    import re
+
+    sys.path.insert(0, str(ROOT / "tools" / "ds4c"))
+    from shape_patch import ENUM  # ds4.c's enum name -> ModelConfig field
+
+    from ds4ref.config import ModelConfig
+    from ds4ref.config_keys import DS4_SHAPE
+
+    cells = json.loads((ROOT / "book" / "00_intro.ipynb").read_text())["cells"]
+    text = next("".join(c["source"]) for c in cells
+                if "".join(c["source"]).startswith("## The fixed shape"))
+    tiny = ModelConfig.tiny()
+    seen = {}
+    for row in re.findall(r"^\| `DS4_N_.*$", text, re.M):
+        names, real, small = [c.strip() for c in row.strip("|").split("|")[:3]]
+        names = re.findall(r"`([A-Z0-9_]+)`", names)
+        full = [names[0]]
+        for short in names[1:]:  # `DS4_N_EXPERT` / `_USED`; `DS4_N_INDEXER_HEAD` / `_HEAD_DIM`
+            stem = "" if short.startswith("DS4_") else names[0]
+            while stem and stem + short not in ENUM and "_" in stem:
+                stem = stem.rsplit("_", 1)[0]
+            full.append(stem + short)
+        for name, r, s in zip(full, real.split(" / "), small.split(" / "), strict=True):
+            seen[name] = (int(r), int(s))
+    assert sorted(seen) == sorted(ENUM)
+    assert seen == {
+        n: (DS4_SHAPE[f], getattr(tiny, f)) for n, f in ENUM.items()}
