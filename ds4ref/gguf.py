@@ -213,7 +213,172 @@ class TensorInfo:
         )
 
 
-class GGUFFile:
+def parse_header(c: _Cursor) -> tuple[int, int, int]:
+    """Read the header at the cursor: (version, tensor count, metadata count).
+
+    Mirrors ds4.c: model_open (l. 1196), its header reads (l. 1228-1236)"""
+    magic = bytes(c.buf[:4]) if len(c.buf) >= 4 else bytes(c.buf)
+    c.need(4, "header (magic)")
+    if magic != GGUF_MAGIC:
+        raise GGUFError(
+            f"header: bad magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file"
+        )
+    c.pos = 4
+    version = c.u32("header (version)")
+    if version != GGUF_VERSION:
+        raise GGUFError(f"header: unsupported GGUF version {version} (only version "
+                        "3 is supported)")
+    n_tensors = c.u64("header (tensor count)")
+    n_kv = c.u64("header (metadata count)")
+    # a key/value pair takes at least 13 bytes, a directory entry at least 32
+    if n_kv * 13 > c.size - c.pos:
+        raise GGUFError(
+            f"header: claims {n_kv} metadata keys, which cannot fit in the "
+            f"{c.size - c.pos} bytes that follow"
+        )
+    return version, n_tensors, n_kv
+
+
+def parse_metadata(c: _Cursor, n_kv: int) -> tuple[dict, dict, int]:
+    """Read n_kv key/value pairs at the cursor: (key -> value, key -> type tuple,
+    alignment).
+
+    Mirrors ds4.c: parse_metadata (l. 1113)"""
+    metadata, types = {}, {}
+    for i in range(n_kv):
+        key = c.string(f"metadata key #{i}")
+        if key in metadata:
+            raise GGUFError(f"metadata key {key!r}: duplicate key")
+        vtype = c.u32(f"metadata key {key!r} (value type)")
+        metadata[key], types[key] = _read_value(c, vtype, f"metadata key {key!r}")
+
+    alignment = 32
+    if "general.alignment" in metadata:
+        a = metadata["general.alignment"]
+        if types["general.alignment"] != (GGUFValueType.UINT32,):
+            raise GGUFError(
+                "metadata key 'general.alignment': expected type UINT32, got "
+                f"{types['general.alignment'][0].name}"
+            )
+        if a == 0 or a & (a - 1):
+            raise GGUFError(
+                f"metadata key 'general.alignment': {a} is not a power of two"
+            )
+        alignment = a
+    return metadata, types, alignment
+
+
+def read_tensor_entry(c: _Cursor, i: int, alignment: int, seen) -> tuple:
+    """Read directory entry #i at the cursor: (name, type, shape, relative offset,
+    nbytes); `seen` holds the names read so far.
+
+    Mirrors ds4.c: parse_tensors (l. 1143), its first loop"""
+    name = c.string(f"tensor #{i} (name)")
+    what = f"tensor {name!r}"
+    if name in seen:
+        raise GGUFError(f"{what}: duplicate tensor name")
+    ndim = c.u32(f"{what} (ndim)")
+    if not 1 <= ndim <= MAX_DIMS:
+        raise GGUFError(f"{what}: {ndim} dimensions, expected 1 to {MAX_DIMS}")
+    shape = tuple(c.u64(f"{what} (dim {d})") for d in range(ndim))
+    t = c.u32(f"{what} (type)")
+    if t not in GGML_BLOCK:
+        raise GGUFError(f"{what}: unknown ggml type {t}")
+    t = GGMLType(t)
+    rel = c.u64(f"{what} (offset)")
+    per_block, block_bytes = GGML_BLOCK[t]
+    if shape[0] % per_block:
+        raise GGUFError(
+            f"{what}: dim 0 = {shape[0]} is not a multiple of the "
+            f"{t.name} block ({per_block})"
+        )
+    n = int(np.prod(shape, dtype=object))
+    nbytes = n // per_block * block_bytes
+    if rel % alignment:
+        raise GGUFError(
+            f"{what}: offset {rel} is not a multiple of the alignment {alignment}"
+        )
+    return name, t, shape, rel, nbytes
+
+
+def parse_tensors(c: _Cursor, n_tensors: int, alignment: int):
+    """Read the tensor directory at the cursor and place each tensor in the buffer:
+    (name -> TensorInfo, data_offset, end of the directory).
+
+    Mirrors ds4.c: parse_tensors (l. 1143)"""
+    if n_tensors * 32 > c.size - c.pos:
+        raise GGUFError(
+            f"tensor directory: header claims {n_tensors} tensors, which cannot "
+            f"fit in the {c.size - c.pos} bytes after the metadata"
+        )
+    entries, seen = [], set()
+    for i in range(n_tensors):
+        entries.append(read_tensor_entry(c, i, alignment, seen))
+        seen.add(entries[-1][0])
+
+    data_offset = -(-c.pos // alignment) * alignment
+    if entries and data_offset > c.size:
+        raise GGUFError(
+            "tensor data: truncated GGUF file, the padding after the directory "
+            f"ends at byte {data_offset} but the file has {c.size} bytes"
+        )
+    tensors: dict[str, TensorInfo] = {}
+    for name, t, shape, rel, nbytes in entries:
+        off = data_offset + rel
+        if off + nbytes > c.size:
+            raise GGUFError(
+                f"tensor {name!r}: data [{off}, {off + nbytes}) lies beyond the "
+                f"end of the file ({c.size} bytes)"
+            )
+        tensors[name] = TensorInfo(name, t, shape, off, nbytes, rel, c.buf)
+    by_offset = sorted(tensors.values(), key=lambda ti: ti.offset)
+    for a, b in zip(by_offset, by_offset[1:]):
+        if a.offset + a.nbytes > b.offset and a.nbytes and b.nbytes:
+            raise GGUFError(f"tensor {b.name!r}: data overlaps tensor {a.name!r}")
+    return tensors, data_offset, c.pos
+
+
+class _Mapping:
+    """The mapping's plumbing of GGUFFile: warm the pages, unmap, `with`, repr."""
+
+    def warm_pages(self) -> int:
+        """Read one byte of every page of the tensor data, so that later reads find
+        every page mapped: the routed experts a decode step picks for the first time
+        then cost no page faults (a benchmark's warm-up; a long-running server gets
+        there by itself). Returns the number of pages touched.
+
+        Mirrors ds4.c: model_warm_weights (l. 1477)"""
+        if self._mm is None:             # parsed from a buffer: nothing is mapped
+            return 0
+        pages = np.frombuffer(self._mm, np.uint8)[self.data_offset::mmap.PAGESIZE]
+        int(pages.sum(dtype=np.uint64))  # the reads are the point; the sum is discarded
+        return len(pages)
+
+    def close(self) -> None:
+        """Unmap the file. Views still alive (tensor .data) keep the mapping until they
+        are dropped."""
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"GGUFFile({self.path.name!r}, v{getattr(self, 'version', '?')}, "
+            f"{len(getattr(self, 'metadata', {}))} keys, "
+            f"{len(getattr(self, 'tensors', {}))} tensors)"
+        )
+
+
+class GGUFFile(_Mapping):
     """A GGUF v3 file mapped read-only: `.metadata` (key -> python value), `.tensors`
     (name -> TensorInfo).
 
@@ -246,143 +411,9 @@ class GGUFFile:
 
     def _parse(self, buf) -> None:
         c = _Cursor(buf)
-        magic = bytes(buf[:4]) if len(buf) >= 4 else bytes(buf)
-        c.need(4, "header (magic)")
-        if magic != GGUF_MAGIC:
-            raise GGUFError(
-                f"header: bad magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file"
-            )
-        c.pos = 4
-        self.version = c.u32("header (version)")
-        if self.version != GGUF_VERSION:
-            raise GGUFError(
-                f"header: unsupported GGUF version {self.version} (only version "
-                "3 is supported)"
-            )
-        n_tensors = c.u64("header (tensor count)")
-        n_kv = c.u64("header (metadata count)")
-        # a key/value pair takes at least 13 bytes, a directory entry at least 32
-        if n_kv * 13 > c.size - c.pos:
-            raise GGUFError(
-                f"header: claims {n_kv} metadata keys, which cannot fit in the "
-                f"{c.size - c.pos} bytes that follow"
-            )
-
-        self.metadata: dict = {}
-        self.metadata_types: dict = {}
-        for i in range(n_kv):
-            key = c.string(f"metadata key #{i}")
-            if key in self.metadata:
-                raise GGUFError(f"metadata key {key!r}: duplicate key")
-            vtype = c.u32(f"metadata key {key!r} (value type)")
-            self.metadata[key], self.metadata_types[key] = _read_value(
-                c, vtype, f"metadata key {key!r}"
-            )
-
-        self.alignment = 32
-        if "general.alignment" in self.metadata:
-            a = self.metadata["general.alignment"]
-            if self.metadata_types["general.alignment"] != (GGUFValueType.UINT32,):
-                raise GGUFError(
-                    "metadata key 'general.alignment': expected type UINT32, got "
-                    f"{self.metadata_types['general.alignment'][0].name}"
-                )
-            if a == 0 or a & (a - 1):
-                raise GGUFError(
-                    f"metadata key 'general.alignment': {a} is not a power of two"
-                )
-            self.alignment = a
-
-        if n_tensors * 32 > c.size - c.pos:
-            raise GGUFError(
-                f"tensor directory: header claims {n_tensors} tensors, which cannot "
-                f"fit in the {c.size - c.pos} bytes after the metadata"
-            )
-        self.tensors: dict[str, TensorInfo] = {}
-        entries = []
-        for i in range(n_tensors):
-            name = c.string(f"tensor #{i} (name)")
-            what = f"tensor {name!r}"
-            if name in self.tensors:
-                raise GGUFError(f"{what}: duplicate tensor name")
-            ndim = c.u32(f"{what} (ndim)")
-            if not 1 <= ndim <= MAX_DIMS:
-                raise GGUFError(f"{what}: {ndim} dimensions, expected 1 to {MAX_DIMS}")
-            shape = tuple(c.u64(f"{what} (dim {d})") for d in range(ndim))
-            t = c.u32(f"{what} (type)")
-            if t not in GGML_BLOCK:
-                raise GGUFError(f"{what}: unknown ggml type {t}")
-            t = GGMLType(t)
-            rel = c.u64(f"{what} (offset)")
-            per_block, block_bytes = GGML_BLOCK[t]
-            if shape[0] % per_block:
-                raise GGUFError(
-                    f"{what}: dim 0 = {shape[0]} is not a multiple of the "
-                    f"{t.name} block ({per_block})"
-                )
-            n = int(np.prod(shape, dtype=object))
-            nbytes = n // per_block * block_bytes
-            if rel % self.alignment:
-                raise GGUFError(
-                    f"{what}: offset {rel} is not a multiple of the alignment "
-                    f"{self.alignment}"
-                )
-            entries.append((name, t, shape, rel, nbytes))
-            self.tensors[name] = None  # reserve the name for the duplicate check
-
-        self.data_offset = -(-c.pos // self.alignment) * self.alignment
-        self.header_nbytes = c.pos
-        if entries and self.data_offset > c.size:
-            raise GGUFError(
-                "tensor data: truncated GGUF file, the padding after the directory "
-                f"ends at byte {self.data_offset} but the file has {c.size} bytes"
-            )
-        for name, t, shape, rel, nbytes in entries:
-            off = self.data_offset + rel
-            if off + nbytes > c.size:
-                raise GGUFError(
-                    f"tensor {name!r}: data [{off}, {off + nbytes}) lies beyond the "
-                    f"end of the file ({c.size} bytes)"
-                )
-            self.tensors[name] = TensorInfo(name, t, shape, off, nbytes, rel, buf)
-        by_offset = sorted(self.tensors.values(), key=lambda ti: ti.offset)
-        for a, b in zip(by_offset, by_offset[1:]):
-            if a.offset + a.nbytes > b.offset and a.nbytes and b.nbytes:
-                raise GGUFError(f"tensor {b.name!r}: data overlaps tensor {a.name!r}")
-        self.size = c.size
-
-    def warm_pages(self) -> int:
-        """Read one byte of every page of the tensor data, so that later reads find
-        every page mapped: the routed experts a decode step picks for the first time
-        then cost no page faults (a benchmark's warm-up; a long-running server gets
-        there by itself). Returns the number of pages touched.
-
-        Mirrors ds4.c: model_warm_weights (l. 1477)"""
-        if self._mm is None:             # parsed from a buffer: nothing is mapped
-            return 0
-        pages = np.frombuffer(self._mm, np.uint8)[self.data_offset::mmap.PAGESIZE]
-        int(pages.sum(dtype=np.uint64))  # the reads are the point; the sum is discarded
-        return len(pages)
-
-    def close(self) -> None:
-        """Unmap the file. Views still alive (tensor .data) keep the mapping until they
-        are dropped."""
-        mm, self._mm = getattr(self, "_mm", None), None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass
-
-    def __enter__(self) -> "GGUFFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return (
-            f"GGUFFile({self.path.name!r}, v{getattr(self, 'version', '?')}, "
-            f"{len(getattr(self, 'metadata', {}))} keys, "
-            f"{len(getattr(self, 'tensors', {}))} tensors)"
+        self.version, n_tensors, n_kv = parse_header(c)
+        self.metadata, self.metadata_types, self.alignment = parse_metadata(c, n_kv)
+        self.tensors, self.data_offset, self.header_nbytes = parse_tensors(
+            c, n_tensors, self.alignment
         )
+        self.size = c.size

@@ -148,11 +148,8 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         ratio = cfg.compress_ratio(il)
 
         def add(suffix, field, types, *shape, optional=False):
-            specs.append(
-                TensorSpec(
-                    f"blk.{il}.{suffix}", field, il, types, tuple(shape), optional
-                )
-            )
+            specs.append(TensorSpec(f"blk.{il}.{suffix}", field, il, types,
+                                    tuple(shape), optional))
 
         add("hc_attn_fn.weight", "hc_attn_fn", F16, cfg.hc_dim, cfg.hc_mix)
         add("hc_attn_scale.weight", "hc_attn_scale", F32, 3)
@@ -164,48 +161,28 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         add("attn_kv.weight", "attn_kv", Q8, E, cfg.head_dim)
         add("attn_kv_a_norm.weight", "attn_kv_a_norm", F32, cfg.head_dim)
         add("attn_sinks.weight", "attn_sinks", F32, cfg.n_head)
-        add(
-            "attn_output_a.weight",
-            "attn_output_a",
-            Q8,
-            cfg.head_dim * (cfg.n_head // cfg.n_out_group),
-            cfg.out_low_dim,
-        )
+        add("attn_output_a.weight", "attn_output_a", Q8,
+            cfg.head_dim * (cfg.n_head // cfg.n_out_group), cfg.out_low_dim)
         add("attn_output_b.weight", "attn_output_b", Q8, cfg.out_low_dim, E)
         if ratio != 0:  # compressed attention: one lane, two when ratio 4 overlaps
             width = (2 if ratio == 4 else 1) * cfg.head_dim
             add("attn_compressor_ape.weight", "attn_compressor_ape", F16, width, ratio)
             add("attn_compressor_kv.weight", "attn_compressor_kv", F16, E, width)
             add("attn_compressor_gate.weight", "attn_compressor_gate", F16, E, width)
-            add(
-                "attn_compressor_norm.weight", "attn_compressor_norm", F32, cfg.head_dim
-            )
+            add("attn_compressor_norm.weight", "attn_compressor_norm", F32,
+                cfg.head_dim)
         if ratio == 4:                      # the sparse indexer: note the dotted names
             iwidth = 2 * cfg.indexer_head_dim
             add("indexer.attn_q_b.weight", "indexer_attn_q_b", F16, cfg.n_lora_q,
                 cfg.n_indexer_head * cfg.indexer_head_dim)
             add("indexer.proj.weight", "indexer_proj", F16, E, cfg.n_indexer_head)
-            add(
-                "indexer_compressor_ape.weight",
-                "indexer_compressor_ape",
-                F16,
-                iwidth,
-                ratio,
-            )
+            add("indexer_compressor_ape.weight", "indexer_compressor_ape", F16, iwidth,
+                ratio)
             add("indexer_compressor_kv.weight", "indexer_compressor_kv", F16, E, iwidth)
-            add(
-                "indexer_compressor_gate.weight",
-                "indexer_compressor_gate",
-                F16,
-                E,
-                iwidth,
-            )
-            add(
-                "indexer_compressor_norm.weight",
-                "indexer_compressor_norm",
-                F32,
-                cfg.indexer_head_dim,
-            )
+            add("indexer_compressor_gate.weight", "indexer_compressor_gate", F16, E,
+                iwidth)
+            add("indexer_compressor_norm.weight", "indexer_compressor_norm", F32,
+                cfg.indexer_head_dim)
         add("hc_ffn_fn.weight", "hc_ffn_fn", F16, cfg.hc_dim, cfg.hc_mix)
         add("hc_ffn_scale.weight", "hc_ffn_scale", F32, 3)
         add("hc_ffn_base.weight", "hc_ffn_base", F32, cfg.hc_mix)
@@ -214,26 +191,15 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         add("exp_probs_b.bias", "ffn_exp_probs_b", F32, ex, optional=True)
         add("ffn_gate_exps.weight", "ffn_gate_exps", EXPERT_TYPES, E, cfg.n_ff_exp, ex)
         add("ffn_up_exps.weight", "ffn_up_exps", EXPERT_TYPES, E, cfg.n_ff_exp, ex)
-        add(
-            "ffn_down_exps.weight",
-            "ffn_down_exps",
-            (T.Q2_K, T.IQ2_XXS, T.Q4_K),
-            cfg.n_ff_exp,
-            E,
-            ex,
-        )
+        add("ffn_down_exps.weight", "ffn_down_exps", (T.Q2_K, T.IQ2_XXS, T.Q4_K),
+            cfg.n_ff_exp, E, ex)
         add("ffn_gate_shexp.weight", "ffn_gate_shexp", Q8, E, cfg.n_ff_exp)
         add("ffn_up_shexp.weight", "ffn_up_shexp", Q8, E, cfg.n_ff_exp)
         add("ffn_down_shexp.weight", "ffn_down_shexp", Q8, cfg.n_ff_exp, E)
         # token-id hash routing: entry (token, i) at 6*token + i
         if il < cfg.n_hash_layer:
-            add(
-                "ffn_gate_tid2eid.weight",
-                "ffn_gate_tid2eid",
-                (T.I32,),
-                cfg.n_expert_used,
-                cfg.n_vocab,
-            )
+            add("ffn_gate_tid2eid.weight", "ffn_gate_tid2eid", (T.I32,),
+                cfg.n_expert_used, cfg.n_vocab)
     return specs
 
 

@@ -64,12 +64,26 @@ def test_an_unwritten_function_falls_back_to_the_book_saying_so_once(tmp_path, c
         "(ds4ref.norms.rms_norm_weight)\n")
 
 
-def test_an_unwritten_method_falls_back_too(tmp_path, capsys):
+def test_the_unwritten_steps_of_the_reader_fall_back_to_the_book(tmp_path, capsys):
     import gguf
     ns = load("01", make("01", tmp_path / "01.ipynb"))
-    f = ns["GGUFFile"](data_path("oracle") / "dev_seed1.gguf")
-    assert len(f.tensors) == len(gguf.GGUFReader(f.path).tensors) == 178
-    assert "GGUFFile._parse: not written yet" in capsys.readouterr().out
+    path = data_path("oracle") / "dev_seed1.gguf"
+    c = ns["_Cursor"](path.read_bytes())
+    _, n_tensors, n_kv = ns["parse_header"](c)
+    _, _, alignment = ns["parse_metadata"](c, n_kv)
+    tensors, _, _ = ns["parse_tensors"](c, n_tensors, alignment)
+    assert len(tensors) == len(gguf.GGUFReader(path).tensors) == 178
+    out = capsys.readouterr().out
+    assert "parse_metadata: not written yet" in out
+    assert "parse_tensors: not written yet" in out
+
+
+def test_an_unwritten_method_falls_back_too(tmp_path, capsys):
+    from ds4ref.engine import Engine
+    ns = load("08", make("08", tmp_path / "08.ipynb"))
+    eng = Engine.open(data_path("oracle") / "dev_seed1.gguf", backend="numpy")
+    assert ns["Session"](eng, 64).sync([1, 2, 3]) == 3
+    assert "Session.sync: not written yet" in capsys.readouterr().out
 
 
 def test_unwritten_functions_are_reported_as_such_not_as_failures(tmp_path):
@@ -186,10 +200,10 @@ def test_a_sync_that_always_rebuilds_is_caught_at_the_first_extension(tmp_path):
 
 def test_a_directory_read_without_its_alignment_padding_names_the_offset(tmp_path):
     import gguf
-    nb = written(tmp_path, "01", "GGUFFile._parse",
-                 "self.data_offset = -(-c.pos // self.alignment) * self.alignment",
-                 "self.data_offset = c.pos")
-    r = check("01", nb)[0]
+    nb = written(tmp_path, "01", "parse_tensors",
+                 "data_offset = -(-c.pos // alignment) * alignment",
+                 "data_offset = c.pos")
+    r = check("01", nb)[1]
     t = gguf.GGUFReader(data_path("oracle") / "dev_seed1.gguf").tensors[0]
     assert r.status == "differs"
     assert r.message.startswith(f"tensor {t.name!r} (type, shape, offset, nbytes): "

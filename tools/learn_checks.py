@@ -17,7 +17,8 @@ from learn import STUB, LearnError, load, marked
 
 
 # what each function is checked against (default: ds4.c's recorded values)
-REFERENCE = {"GGUFFile._parse": "the gguf package's reader",
+REFERENCE = {"parse_metadata": "the gguf package's reader",
+             "parse_tensors": "the gguf package's reader",
              "_dequantize_q8_0": "the gguf package's decoding",
              "unpack_iq2_xxs_indices": "the gguf package's decoding"}
 
@@ -113,15 +114,41 @@ def _reader():
     return gguf.GGUFReader(data_path("oracle") / "dev_seed1.gguf")
 
 
-def check_parse(ns):
-    path = data_path("oracle") / "dev_seed1.gguf"
-    r = _reader()
-    got = {}
+def _opened(ns, got):
+    """The oracle's GGUF read (once) by the notebook's three steps: header, metadata,
+    tensor directory (a later cell imports the package's GGUFFile over the notebook's,
+    so the steps are called here by name)."""
+    if "f" not in got:
+        from types import SimpleNamespace
+        c = ns["_Cursor"]((data_path("oracle") / "dev_seed1.gguf").read_bytes())
+        _, n_tensors, n_kv = ns["parse_header"](c)
+        metadata, _, alignment = ns["parse_metadata"](c, n_kv)
+        tensors, _, _ = ns["parse_tensors"](c, n_tensors, alignment)
+        got["f"] = SimpleNamespace(metadata=metadata, alignment=alignment,
+                                   tensors=tensors)
+    return got["f"]
 
-    def opened():
-        got["f"] = ns["GGUFFile"](path)
-        return len(got["f"].tensors)
-    yield "the tensor count", opened, len(r.tensors), None, None
+
+def check_parse_metadata(ns):
+    r, got = _reader(), {}
+    keys = [k for k in r.fields if not k.startswith("GGUF.")]
+    yield ("the metadata keys, in file order", lambda: list(_opened(ns, got).metadata),
+           keys, None, None)
+    for key in ("deepseek4.block_count", "deepseek4.embedding_length",
+                "general.alignment", "deepseek4.expert_count"):
+        f = r.fields.get(key)
+        if f is None:
+            continue
+        yield (f"metadata {key!r}", lambda key=key: _opened(ns, got).metadata[key],
+               f.contents(), None, None)
+    yield ("the alignment", lambda: _opened(ns, got).alignment,
+           int(r.alignment), None, None)
+
+
+def check_parse_tensors(ns):
+    r, got = _reader(), {}
+    yield ("the tensor count", lambda: len(_opened(ns, got).tensors), len(r.tensors),
+           None, None)
     for t in r.tensors:
         def entry(t=t):
             ti = got["f"].tensors.get(t.name)
@@ -135,13 +162,6 @@ def check_parse(ns):
                   "the data offset", "the byte count"]
         yield (f"tensor {t.name!r} (type, shape, offset, nbytes)", entry, want, None,
                fields)
-    for key in ("deepseek4.block_count", "deepseek4.embedding_length",
-                "general.alignment", "deepseek4.expert_count"):
-        f = r.fields.get(key)
-        if f is None:
-            continue
-        yield (f"metadata {key!r}", lambda key=key: got["f"].metadata[key],
-               f.contents(), None, None)
 
 
 def _tensors(ggml_type: int, n: int = 3):
@@ -365,7 +385,8 @@ def check_sync(ns):
 
 
 CHECKS = {
-    "GGUFFile._parse": check_parse, "_dequantize_q8_0": check_q8_0,
+    "parse_metadata": check_parse_metadata, "parse_tensors": check_parse_tensors,
+    "_dequantize_q8_0": check_q8_0,
     "unpack_iq2_xxs_indices": check_iq2_xxs, "matvec_q8_0_prequant": check_q8_0_dot,
     "rms_norm_weight": check_rms_norm, "hc_split_sinkhorn": check_sinkhorn,
     "rope_tail": check_rope, "attention_rows": check_attention,
