@@ -86,7 +86,8 @@ def q8_0_rungs(T: int) -> list:
         return o
 
     rungs = [("numpy reference", lambda raw, a: NUMPY.matvec_q8_0_prequant(raw, a)),
-             ("D.2 portable, SLP off", no_slp), ("D.2 portable", plain(q8_port.q8_0_kernel))]
+             ("D.2 portable, SLP off", no_slp),
+             ("D.2 portable", plain(q8_port.q8_0_kernel))]
     if q8_avx2.Q8_0_AVX2 is not None:
         rungs.append(("D.6 AVX2 byte dots", plain(q8_avx2.Q8_0_AVX2[0])))
     if q8_vnni.Q8_0_SIMD is not None:
@@ -109,30 +110,35 @@ def iq2_xxs_rungs(T: int) -> list:
     lut, run, grid = isa.F16_TO_F32, isa.run_kernel, iq2_port.IQ2XXS_GRID
 
     def outs(w, a):
-        return isa.new_out(len(a.qs), w[0].shape[0]), isa.new_out(len(a.qs), w[0].shape[0])
+        shape = (len(a.qs), w[0].shape[0])
+        return isa.new_out(*shape), isa.new_out(*shape)
 
     def portable(w, a):
         g, u = outs(w, a)
-        run(iq2_port.iq2_xxs_pair_kernel, w[0], w[1], a.qs, a.d, grid, iq2_port.IQ2XXS_SIGNS, lut,
+        run(iq2_port.iq2_xxs_pair_kernel, w[0], w[1], a.qs, a.d, grid,
+            iq2_port.IQ2XXS_SIGNS, lut,
             g, u, rows=len(w[0]))
         return g, u
 
     def byte_dots(w, a):
         g, u = outs(w, a)
-        run(iq2_avx2.IQ2_XXS_SIMD, w[0], w[1], np.ascontiguousarray(a.qs), a.d, grid, lut,
+        run(iq2_avx2.IQ2_XXS_SIMD, w[0], w[1], np.ascontiguousarray(a.qs), a.d, grid,
+            lut,
             g, u, rows=len(w[0]))
         return g, u
 
     def decode_once(w, a):
         g, u = outs(w, a)
-        run(iq2_lanes.IQ2_XXS_TOKENS, w[0], w[1], iq2_lanes.iq2_xxs_tokens_operand(a.qs), a.d, grid,
+        run(iq2_lanes.IQ2_XXS_TOKENS, w[0], w[1],
+            iq2_lanes.iq2_xxs_tokens_operand(a.qs), a.d, grid,
             lut, g, u, rows=len(w[0]))
         return g, u
 
     def token_lanes(w, a):
         g, u = outs(w, a)
         kernel, n_lanes = iq2_lanes.IQ2_XXS_LANES
-        xu, ydl = iq2_lanes.iq2_xxs_lanes_operands(np.ascontiguousarray(a.qs), a.d, n_lanes)
+        xu, ydl = iq2_lanes.iq2_xxs_lanes_operands(np.ascontiguousarray(a.qs), a.d,
+                                                   n_lanes)
         run(kernel, w[0], w[1], xu, ydl, len(a.qs), grid, lut, g, u, rows=len(w[0]))
         return g, u
 

@@ -12,7 +12,7 @@ from numba.extending import intrinsic
 
 from ds4ref.backend import TypeKernels
 from ds4ref.backends.numba.isa import (F16_TO_F32, F32, I16, I64, VEC, checked_rows,
-                                       llvm_addr, new_out, run_kernel, simd_kernels)
+                                       ir_addr, new_out, run_kernel, simd_kernels)
 from ds4ref.matvec import float_input
 from ds4ref.quant import F16
 
@@ -70,11 +70,11 @@ def _f16_dot_intrinsic():
                 for _ in range(4)]
 
         def step(i, acc):  # 16 weights from element i on, converted and multiplied
-            h = builder.load(llvm_addr(builder, w, builder.shl(i, ir.Constant(I64, 1)),
+            h = builder.load(ir_addr(builder, w, builder.shl(i, ir.Constant(I64, 1)),
                                    VEC(I16, 16)), align=1)
             wf = builder.fpext(builder.bitcast(h, VEC(ir.HalfType(), 16)), fv)
             xi = builder.shl(i, ir.Constant(I64, 2))
-            xv = builder.load(llvm_addr(builder, x, xi, fv), align=1)
+            xv = builder.load(ir_addr(builder, x, xi, fv), align=1)
             prod = builder.fmul(wf, xv, flags=fl)
             builder.store(builder.fadd(builder.load(acc), prod, flags=fl), acc)
 

@@ -138,22 +138,22 @@ VEC = ir.VectorType
 B32, H16, V8 = VEC(I8, 32), VEC(I16, 16), VEC(I32, 8)
 
 
-def llvm_fn(builder, name, ret, params):
+def ir_fn(builder, name, ret, params):
     """The LLVM intrinsic `name` of type ret(params), declared in this module."""
     return cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ret, params), name
     )
 
 
-def llvm_bytes(values):
+def ir_bytes(values):
     return ir.Constant(B32, [v & 0xFF for v in values])
 
 
-def llvm_dwords(value):
+def ir_dwords(value):
     return ir.Constant(V8, [value] * 8)
 
 
-def llvm_addr(builder, addr, offset, t):
+def ir_addr(builder, addr, offset, t):
     """A t* to byte address addr + offset (addr an intp value; offset an int or an I64
     value)."""
     if isinstance(offset, int):
@@ -161,7 +161,7 @@ def llvm_addr(builder, addr, offset, t):
     return builder.inttoptr(builder.add(addr, offset), t.as_pointer())
 
 
-def llvm_splat(builder, v, t, count):
+def ir_splat(builder, v, t, count):
     """The scalar v of type t in every lane of a `count`-lane vector."""
     one = builder.insert_element(
         ir.Constant(VEC(t, count), None), v, ir.Constant(I32, 0)

@@ -8,7 +8,8 @@ import numpy as np
 from numba import njit, prange
 
 from ds4ref.backend import TypeKernels
-from ds4ref.backends.numba.isa import F16_TO_F32, checked_rows, f16_at, new_out, run_kernel
+from ds4ref.backends.numba.isa import (F16_TO_F32, checked_rows, f16_at, new_out,
+                                       run_kernel)
 from ds4ref.matvec import q8_K_fields, row_elements
 from ds4ref.quant import Q4_K
 

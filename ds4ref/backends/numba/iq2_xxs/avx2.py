@@ -10,8 +10,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba.isa import (B32, H16, V8, f16_at, llvm_bytes, llvm_dwords,
-                                       llvm_fn, simd_kernels)
+from ds4ref.backends.numba.isa import (B32, H16, V8, f16_at, ir_bytes, ir_dwords,
+                                       ir_fn, simd_kernels)
 from ds4ref.backends.numba.iq2_xxs.portable import sigmoid_stable_jit
 
 # bit j of a byte, for each of a chunk's 8 weights: the sign bit that weight reads
@@ -27,27 +27,27 @@ def iq2_xxs_signs_scales(builder, w):
     bits, the 8th their parity, as ds4's ksigns table), of the scales 2 s_g + 1 in
     both int16 halves; _lo holds groups 0-3 and _hi 4-7, each copied into both
     128-bit lanes for vpshufb."""
-    pshufb = llvm_fn(builder, "llvm.x86.avx2.pshuf.b", B32, [B32, B32])
+    pshufb = ir_fn(builder, "llvm.x86.avx2.pshuf.b", B32, [B32, B32])
     i32x8 = V8.as_pointer()
     lo = builder.load(builder.inttoptr(w, i32x8), align=1)            # groups 0-3
     hi = builder.load(builder.inttoptr(builder.add(w, ir.Constant(ir.IntType(64), 32)),
                                        i32x8), align=1)                # groups 4-7
     words = builder.shuffle_vector(lo, hi, ir.Constant(V8, list(range(1, 16, 2))))
     # the four 7-bit fields of each word, one per byte
-    signs = builder.and_(words, llvm_dwords(0x7F))
+    signs = builder.and_(words, ir_dwords(0x7F))
     for k in (1, 2, 3):
-        field = builder.and_(builder.shl(words, llvm_dwords(k)), llvm_dwords(0x7F << 8 * k))
+        field = builder.and_(builder.shl(words, ir_dwords(k)), ir_dwords(0x7F << 8 * k))
         signs = builder.or_(signs, field)
     sb = builder.bitcast(signs, B32)
-    nibble = llvm_bytes([0x0F] * 32)
-    high = builder.and_(builder.bitcast(builder.lshr(signs, llvm_dwords(4)), B32), nibble)
-    parity = builder.xor(builder.call(pshufb, [llvm_bytes(_ODD_NIBBLE),
+    nibble = ir_bytes([0x0F] * 32)
+    high = builder.and_(builder.bitcast(builder.lshr(signs, ir_dwords(4)), B32), nibble)
+    parity = builder.xor(builder.call(pshufb, [ir_bytes(_ODD_NIBBLE),
                                                builder.and_(sb, nibble)]),
-                         builder.call(pshufb, [llvm_bytes(_ODD_NIBBLE), high]))
+                         builder.call(pshufb, [ir_bytes(_ODD_NIBBLE), high]))
     sb = builder.or_(sb, parity)
-    scales = builder.or_(builder.shl(builder.lshr(words, llvm_dwords(28)), llvm_dwords(1)),
-                         llvm_dwords(1))
-    scales = builder.or_(scales, builder.shl(scales, llvm_dwords(16)))   # in both int16s
+    scales = builder.or_(builder.shl(builder.lshr(words, ir_dwords(28)), ir_dwords(1)),
+                         ir_dwords(1))
+    scales = builder.or_(scales, builder.shl(scales, ir_dwords(16)))   # in both int16s
     scales = builder.bitcast(scales, B32)
 
     def lanes(v, half):  # 16 bytes of v, in both lanes
@@ -60,15 +60,15 @@ def iq2_xxs_signs_scales(builder, w):
 def iq2_xxs_group_signs(builder, ss, g):
     """Codegen: group g's 32 sign masks (0xFF where the weight is negative) and its
     scale 2 s_g + 1 in all 16 int16 lanes, from iq2_xxs_signs_scales' `ss`."""
-    pshufb = llvm_fn(builder, "llvm.x86.avx2.pshuf.b", B32, [B32, B32])
+    pshufb = ir_fn(builder, "llvm.x86.avx2.pshuf.b", B32, [B32, B32])
     signs, scales = (ss[0], ss[2]) if g < 4 else (ss[1], ss[3])
     k = g % 4
     # chunk l (bytes 8l..8l+7) reads sign byte 4k + l; lane 1 holds chunks 2 and 3
-    spread = builder.call(pshufb, [signs, llvm_bytes(
+    spread = builder.call(pshufb, [signs, ir_bytes(
         [4 * k + (j // 8) % 2 + 2 * (j // 16) for j in range(32)])])
-    bit = builder.and_(spread, llvm_bytes(_SIGN_BITS))
-    mask = builder.sext(builder.icmp_unsigned("==", bit, llvm_bytes(_SIGN_BITS)), B32)
-    scale = builder.call(pshufb, [scales, llvm_bytes([4 * k + j % 4 for j in range(32)])])
+    bit = builder.and_(spread, ir_bytes(_SIGN_BITS))
+    mask = builder.sext(builder.icmp_unsigned("==", bit, ir_bytes(_SIGN_BITS)), B32)
+    scale = builder.call(pshufb, [scales, ir_bytes([4 * k + j % 4 for j in range(32)])])
     return mask, builder.bitcast(scale, H16)
 
 
@@ -97,9 +97,9 @@ def _iq2_xxs_pair_block_intrinsic():
 
     def codegen(context, builder, sig, args):
         wg, wu, y, grid = args
-        maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", H16, [B32] * 2)
-        maddwd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", V8, [H16] * 2)
-        reduce = llvm_fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [V8])
+        maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", H16, [B32] * 2)
+        maddwd = ir_fn(builder, "llvm.x86.avx2.pmadd.wd", V8, [H16] * 2)
+        reduce = ir_fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32), [V8])
         ss = [iq2_xxs_signs_scales(builder, w) for w in (wg, wu)]
         acc = [ir.Constant(V8, [0] * 8)] * 2
         for g in range(8):  # 32-value groups

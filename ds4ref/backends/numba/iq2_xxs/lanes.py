@@ -10,7 +10,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ds4ref.backends.numba.isa import (F32, I8, I16, I32, VEC, f16_at, lanes_operands,
-                                       llvm_addr, llvm_fn, llvm_splat, simd_kernels)
+                                       ir_addr, ir_fn, ir_splat, simd_kernels)
 from ds4ref.backends.numba.iq2_xxs.avx2 import (iq2_xxs_group_grid, iq2_xxs_group_signs,
                                                 iq2_xxs_signs_scales)
 
@@ -26,9 +26,9 @@ def _iq2_xxs_decode_intrinsic():
     def codegen(context, builder, sig, args):
         w, grid, q, sc = args
         v8, b32, h16 = VEC(I32, 8), VEC(I8, 32), VEC(I16, 16)
-        maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
-        maddwd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
-        reduce = llvm_fn(builder, "llvm.vector.reduce.add.v8i32", I32, [v8])
+        maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
+        maddwd = ir_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
+        reduce = ir_fn(builder, "llvm.vector.reduce.add.v8i32", I32, [v8])
         ones = ir.Constant(b32, [1] * 32)  # unsigned 1 in every byte
         ss = iq2_xxs_signs_scales(builder, w)
         c = ir.Constant(v8, [0] * 8)
@@ -36,11 +36,11 @@ def _iq2_xxs_decode_intrinsic():
             mask, s16 = iq2_xxs_group_signs(builder, ss, g)
             grid_g = iq2_xxs_group_grid(builder, w, grid, g)
             qg = builder.sub(builder.xor(grid_g, mask), mask)  # -grid where -1
-            builder.store(qg, llvm_addr(builder, q, 32 * g, b32), align=1)
+            builder.store(qg, ir_addr(builder, q, 32 * g, b32), align=1)
             # the scale as int32 (low half of an int16 pair)
             pair = builder.extract_element(builder.bitcast(s16, v8), I32(0))
             scale = builder.and_(pair, ir.Constant(I32, 0xFFFF))
-            builder.store(scale, llvm_addr(builder, sc, 4 * g, I32), align=1)
+            builder.store(scale, ir_addr(builder, sc, 4 * g, I32), align=1)
             # (2 s + 1) sum q: byte pairs q_e + q_e+1 (1 * q), then pairs times 2 s + 1
             pairs = builder.call(maddubs, [ones, qg])
             c = builder.add(c, builder.call(maddwd, [pairs, s16]))
@@ -71,43 +71,43 @@ def _iq2_xxs_lanes_intrinsic(kind: str):
     def codegen(context, builder, sig, args):
         qg, sg, cg, dg, qu, su, cu, du, xu, yd, acc_g, acc_u = args
         if kind == "avx512vnni":
-            dpbusd = llvm_fn(builder, "llvm.x86.avx512.vpdpbusd.512", vi, [vi] * 3)
+            dpbusd = ir_fn(builder, "llvm.x86.avx512.vpdpbusd.512", vi, [vi] * 3)
         else:
             w = {"avx2": ("avx2.pmadd.ub.sw", "avx2.pmadd.wd"),
                  "avx512bw": ("avx512.pmaddubs.w.512", "avx512.pmaddw.d.512")}[kind]
-            maddubs = llvm_fn(builder, "llvm.x86." + w[0], vh, [vb] * 2)
-            maddwd = llvm_fn(builder, "llvm.x86." + w[1], vi, [vh] * 2)
+            maddubs = ir_fn(builder, "llvm.x86." + w[0], vh, [vb] * 2)
+            maddwd = ir_fn(builder, "llvm.x86." + w[1], vi, [vh] * 2)
         zero = ir.Constant(vi, [0] * L)
         rows = ((qg, sg, cg, dg, acc_g), (qu, su, cu, du, acc_u))
         bsum = [zero, zero]
         for g in range(8):
-            scale = [builder.load(llvm_addr(builder, sc, 4 * g, I32), align=1)
+            scale = [builder.load(ir_addr(builder, sc, 4 * g, I32), align=1)
                      for _, sc, *_ in rows]
             s = [zero, zero]
             for j in range(8):  # bytes 32g + 4j .. +3 of all L tokens
-                x = builder.load(llvm_addr(builder, xu, 4 * L * (8 * g + j), vi), align=1)
+                x = builder.load(ir_addr(builder, xu, 4 * L * (8 * g + j), vi), align=1)
                 for k, (q, *_) in enumerate(rows):
-                    wq = builder.load(llvm_addr(builder, q, 32 * g + 4 * j, I32), align=1)
-                    wq = llvm_splat(builder, wq, I32, L)
+                    wq = builder.load(ir_addr(builder, q, 32 * g + 4 * j, I32), align=1)
+                    wq = ir_splat(builder, wq, I32, L)
                     if kind == "avx512vnni":  # s += 4 products per lane
                         s[k] = builder.call(dpbusd, [s[k], x, wq])
                         continue
                     # pairs (y+128) q <= 2 * 255 * 43: no saturation
                     pairs = builder.call(maddubs, [builder.bitcast(x, vb),
                                                    builder.bitcast(wq, vb)])
-                    sc16 = llvm_splat(builder, builder.trunc(scale[k], I16), I16, 2 * L)
+                    sc16 = ir_splat(builder, builder.trunc(scale[k], I16), I16, 2 * L)
                     bsum[k] = builder.add(bsum[k], builder.call(maddwd, [pairs, sc16]))
             if kind == "avx512vnni":
                 for k in range(2):
                     bsum[k] = builder.add(bsum[k], builder.mul(
-                        s[k], llvm_splat(builder, scale[k], I32, L)))
-        ydv = builder.load(llvm_addr(builder, yd, 0, vf), align=1)
+                        s[k], ir_splat(builder, scale[k], I32, L)))
+        ydv = builder.load(ir_addr(builder, yd, 0, vf), align=1)
         for k, (_, _, c, d, acc) in enumerate(rows):
-            exact = builder.sub(bsum[k], llvm_splat(builder, c, I32, L))
+            exact = builder.sub(bsum[k], ir_splat(builder, c, I32, L))
             # as _iq2_xxs_row: (f16(d) * d_y) * float(bsum), then acc + that
-            term = builder.fmul(builder.fmul(llvm_splat(builder, d, F32, L), ydv),
+            term = builder.fmul(builder.fmul(ir_splat(builder, d, F32, L), ydv),
                                 builder.sitofp(exact, vf))
-            p = llvm_addr(builder, acc, 0, vf)
+            p = ir_addr(builder, acc, 0, vf)
             builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
         return context.get_dummy_value()
 
@@ -258,16 +258,16 @@ def _iq2_xxs_token_dot_intrinsic():
 
     def codegen(context, builder, sig, args):
         q, sc, x = args
-        maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
-        maddwd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
-        reduce = llvm_fn(builder, "llvm.vector.reduce.add.v8i32", I32, [v8])
+        maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
+        maddwd = ir_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
+        reduce = ir_fn(builder, "llvm.vector.reduce.add.v8i32", I32, [v8])
         acc = ir.Constant(v8, [0] * 8)
         for g in range(8):
             pairs = builder.call(maddubs, [
-                builder.load(llvm_addr(builder, x, 32 * g, b32), align=1),
-                builder.load(llvm_addr(builder, q, 32 * g, b32), align=1)])
-            scale = builder.load(llvm_addr(builder, sc, 4 * g, I32), align=4)
-            s16 = llvm_splat(builder, builder.trunc(scale, I16), I16, 16)
+                builder.load(ir_addr(builder, x, 32 * g, b32), align=1),
+                builder.load(ir_addr(builder, q, 32 * g, b32), align=1)])
+            scale = builder.load(ir_addr(builder, sc, 4 * g, I32), align=4)
+            s16 = ir_splat(builder, builder.trunc(scale, I16), I16, 16)
             acc = builder.add(acc, builder.call(maddwd, [pairs, s16]))
         return builder.call(reduce, [acc])
 

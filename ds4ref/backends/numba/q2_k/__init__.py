@@ -12,7 +12,8 @@ from ds4ref.backends.common import expert_ids
 from ds4ref.backends.numba.isa import (F16_TO_F32, batch_ids, checked_rows, new_out,
                                        run_kernel)
 from ds4ref.backends.numba.q2_k.portable import experts_down_kernel, q2_K_kernel
-from ds4ref.backends.numba.q2_k.simd import EXPERTS_DOWN_BATCH, EXPERTS_DOWN_SIMD, Q2_K_SIMD
+from ds4ref.backends.numba.q2_k.simd import (EXPERTS_DOWN_BATCH, EXPERTS_DOWN_SIMD,
+                                             Q2_K_SIMD)
 from ds4ref.matvec import q8_K_fields, row_elements, weight_rows
 from ds4ref.ops import expert_pairs
 from ds4ref.quant import Q2_K, Q8KAct

@@ -11,7 +11,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ds4ref.backends.numba.isa import (F32, I8, I16, I32, VEC, f16_at, lanes_operands,
-                                       llvm_addr, llvm_fn, llvm_splat, simd_kernels,
+                                       ir_addr, ir_fn, ir_splat, simd_kernels,
                                        sum4_blocks)
 
 
@@ -24,9 +24,9 @@ def sign_dot(builder, w, x):
     """8 int32 lanes, lane j = sum_{i<4} w_4j+i x_4j+i for 32 int8 w, x (none of x
     -128): vpmaddubsw of |w| (unsigned, <= 128) by sign(w) x, then vpmaddwd by 1."""
     b32, h16, v8 = VEC(I8, 32), VEC(I16, 16), VEC(I32, 8)
-    psign = llvm_fn(builder, "llvm.x86.avx2.psign.b", b32, [b32] * 2)
-    maddubs = llvm_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
-    maddwd = llvm_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
+    psign = ir_fn(builder, "llvm.x86.avx2.psign.b", b32, [b32] * 2)
+    maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
+    maddwd = ir_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
     absw = builder.call(psign, [w, w])  # -128 -> 0x80: 128 read as unsigned
     pairs = builder.call(maddubs, [absw, builder.call(psign, [x, w])])
     return builder.call(maddwd, [pairs, ir.Constant(h16, [1] * 16)])
@@ -42,12 +42,12 @@ def _q8_0_dot4_intrinsic():
     def codegen(context, builder, sig, args):
         w, w_step, x, x_step = args
         b32, v8 = VEC(I8, 32), VEC(I32, 8)
-        hadd = llvm_fn(builder, "llvm.x86.avx2.phadd.d", v8, [v8] * 2)
+        hadd = ir_fn(builder, "llvm.x86.avx2.phadd.d", v8, [v8] * 2)
         sums = []
         for k in range(4):  # block k: 8 lanes of 4 products
-            wk = builder.load(llvm_addr(builder, w, builder.mul(w_step, _at_k(k)), b32),
+            wk = builder.load(ir_addr(builder, w, builder.mul(w_step, _at_k(k)), b32),
                               align=1)
-            xk = builder.load(llvm_addr(builder, x, builder.mul(x_step, _at_k(k)), b32),
+            xk = builder.load(ir_addr(builder, x, builder.mul(x_step, _at_k(k)), b32),
                               align=1)
             sums.append(sign_dot(builder, wk, xk))
         return context.make_tuple(builder, sig.return_type,
@@ -79,17 +79,17 @@ def _q8_0_lanes_intrinsic():
         b32, v8, fv8 = VEC(I8, 32), VEC(I32, 8), VEC(F32, 8)
         s = [ir.Constant(v8, [0] * 8)] * R
         for g in range(8):  # bytes 4g..4g+3 of the block, all 8 tokens
-            x = builder.load(llvm_addr(builder, xs, 32 * g, b32), align=1)
+            x = builder.load(ir_addr(builder, xs, 32 * g, b32), align=1)
             for k in range(R):
-                wg = builder.load(llvm_addr(builder, ws[k], 4 * g, I32), align=1)
-                wb = builder.bitcast(llvm_splat(builder, wg, I32, 8), b32)
+                wg = builder.load(ir_addr(builder, ws[k], 4 * g, I32), align=1)
+                wb = builder.bitcast(ir_splat(builder, wg, I32, 8), b32)
                 s[k] = builder.add(s[k], sign_dot(builder, wb, x))
-        xdv = builder.load(llvm_addr(builder, xd, 0, fv8), align=1)
+        xdv = builder.load(ir_addr(builder, xd, 0, fv8), align=1)
         for k in range(R):
             # as q8_0_kernel: (f16(d_w) * d_x) * float(s), then acc + that
-            term = builder.fmul(builder.fmul(llvm_splat(builder, ds[k], F32, 8), xdv),
+            term = builder.fmul(builder.fmul(ir_splat(builder, ds[k], F32, 8), xdv),
                                 builder.sitofp(s[k], fv8))
-            p = llvm_addr(builder, acc, builder.mul(acc_step, _at_k(k)), fv8)
+            p = ir_addr(builder, acc, builder.mul(acc_step, _at_k(k)), fv8)
             builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
         return context.get_dummy_value()
 

@@ -9,8 +9,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba.isa import (F32, I16, I32, I64, VEC, llvm_addr, llvm_fn,
-                                       llvm_splat, simd_kernels)
+from ds4ref.backends.numba.isa import (F32, I16, I32, I64, VEC, ir_addr, ir_fn,
+                                       ir_splat, simd_kernels)
 from ds4ref.backends.numba.q8_0.avx2 import q8_0_row_avx2, sign_dot
 from ds4ref.backends.numba.q8_0.vnni import q8_0_row_vnni
 
@@ -38,22 +38,22 @@ def _block_sums(builder, kind, row, x, xc):
     activation bytes at x (xc = 128 sum x, for the VNNI form's offset)."""
     v8, v16, b32 = VEC(I32, 8), VEC(I32, 16), VEC(ir.IntType(8), 32)
     if kind == "avx2":  # |w| times sign(w) x: no pair saturates int16 (x has no -128)
-        xv = builder.load(llvm_addr(builder, x, 0, b32), align=1)
+        xv = builder.load(ir_addr(builder, x, 0, b32), align=1)
         return rows_reduce(builder, [sign_dot(builder, builder.load(
-            llvm_addr(builder, r, 0, b32), align=1), xv) for r in row])
-    dpbusd = llvm_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
-    xv = builder.load(llvm_addr(builder, x, 0, v8), align=1)
+            ir_addr(builder, r, 0, b32), align=1), xv) for r in row])
+    dpbusd = ir_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
+    xv = builder.load(ir_addr(builder, x, 0, v8), align=1)
     xv = builder.shuffle_vector(xv, xv, ir.Constant(v16, list(range(8)) * 2))
     # vpdpbusd wants one unsigned operand: w + 128, then 128 sum x subtracted
     flip = ir.Constant(v16, [-0x7F7F7F80] * 16)
     parts = []
     for j in range(0, len(row), 2):  # rows j, j + 1 in one 512-bit register
-        lo, hi = (builder.load(llvm_addr(builder, row[j + k], 0, v8), align=1)
+        lo, hi = (builder.load(ir_addr(builder, row[j + k], 0, v8), align=1)
                   for k in (0, 1))
         w = builder.shuffle_vector(lo, hi, ir.Constant(v16, list(range(16))))
         parts.append(builder.call(dpbusd, [ir.Constant(v16, [0] * 16),
                                            builder.xor(w, flip), xv]))
-    return builder.sub(rows_reduce(builder, parts), llvm_splat(builder, xc, I32, 16))
+    return builder.sub(rows_reduce(builder, parts), ir_splat(builder, xc, I32, 16))
 
 
 def _q8_0_rows_intrinsic(kind: str, blocks: int):
@@ -69,23 +69,23 @@ def _q8_0_rows_intrinsic(kind: str, blocks: int):
 
     def codegen(context, builder, sig, args):
         w, stride, x, xc, xd, acc = args
-        p = llvm_addr(builder, acc, 0, fv)
+        p = ir_addr(builder, acc, 0, fv)
         accv = builder.load(p, align=4)
         for b in range(blocks):
             row = [builder.add(w, builder.add(builder.mul(stride, ir.Constant(I64, j)),
                                               ir.Constant(I64, 34 * b)))
                    for j in range(R)]
-            xcb = builder.load(llvm_addr(builder, xc, 4 * b, I32), align=4)
+            xcb = builder.load(ir_addr(builder, xc, 4 * b, I32), align=4)
             xb = builder.add(x, ir.Constant(I64, 32 * b))
             s = _block_sums(builder, kind, row, xb, xcb)
             dv = ir.Constant(VEC(I16, R), None)  # the R blocks' f16 d
             for j in range(R):
-                h = builder.load(llvm_addr(builder, row[j], -2, I16), align=1)
+                h = builder.load(ir_addr(builder, row[j], -2, I16), align=1)
                 dv = builder.insert_element(dv, h, ir.Constant(I32, j))
             d = builder.fpext(builder.bitcast(dv, hv), fv)
-            xdb = builder.load(llvm_addr(builder, xd, 4 * b, F32), align=4)
+            xdb = builder.load(ir_addr(builder, xd, 4 * b, F32), align=4)
             # as q8_0_kernel: (f16(d_w) * d_x) * float(s), then acc + that
-            term = builder.fmul(builder.fmul(d, llvm_splat(builder, xdb, F32, R)),
+            term = builder.fmul(builder.fmul(d, ir_splat(builder, xdb, F32, R)),
                                 builder.sitofp(s, fv))
             accv = builder.fadd(accv, term)
         builder.store(accv, p, align=4)
@@ -108,7 +108,7 @@ def _prefetch(typingctx, addr):
     no result): llvm.prefetch, read, high locality."""
     def codegen(context, builder, sig, args):
         i8p = ir.IntType(8).as_pointer()
-        fn = llvm_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p] + [I32] * 3)
+        fn = ir_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p] + [I32] * 3)
         builder.call(fn, [builder.inttoptr(args[0], i8p)] +
                      [ir.Constant(I32, v) for v in (0, 3, 1)])
         return context.get_dummy_value()

@@ -11,7 +11,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ds4ref.backends.numba.isa import (F32, I8, I32, I64, VEC, f16_at, lanes_operands,
-                                       llvm_addr, llvm_splat, simd_kernels, sum4_blocks)
+                                       ir_addr, ir_splat, simd_kernels, sum4_blocks)
 
 
 def _q8_0_dot4_intrinsic():
@@ -35,9 +35,9 @@ def _q8_0_dot4_intrinsic():
         sums = []
         for k in range(4):
             at = ir.Constant(I64, k)
-            wk = builder.load(llvm_addr(builder, builder.add(w, builder.mul(w_step, at)),
+            wk = builder.load(ir_addr(builder, builder.add(w, builder.mul(w_step, at)),
                                     0, v8), align=1)
-            xk = builder.load(llvm_addr(builder, builder.add(x, builder.mul(x_step, at)),
+            xk = builder.load(ir_addr(builder, builder.add(x, builder.mul(x_step, at)),
                                     0, v8), align=1)
             sums.append(builder.call(
                 dpbusd, [ir.Constant(v8, [0] * 8), builder.xor(wk, flip), xk]
@@ -58,7 +58,7 @@ def _block_sum_intrinsic():
     Mirrors ds4.c: nothing (the lanes kernel's correction, 128 sum w)"""
 
     def codegen(context, builder, sig, args):
-        v = builder.load(llvm_addr(builder, args[0], 0, VEC(I8, 32)), align=1)
+        v = builder.load(ir_addr(builder, args[0], 0, VEC(I8, 32)), align=1)
         add = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(I32, [VEC(I32, 32)]),
             "llvm.vector.reduce.add.v32i32",
@@ -88,18 +88,19 @@ def _q8_0_lanes_intrinsic():
             "llvm.x86.avx512.vpdpbusd.512",
         )
         # group g: bytes 4g..4g+3 of the block for each of the 16 tokens
-        xg = [builder.load(llvm_addr(builder, xu, 64 * g, v16), align=1) for g in range(8)]
-        xdv = builder.load(llvm_addr(builder, xd, 0, fv16), align=1)
+        xg = [builder.load(ir_addr(builder, xu, 64 * g, v16), align=1)
+              for g in range(8)]
+        xdv = builder.load(ir_addr(builder, xd, 0, fv16), align=1)
         for w, c, d, acc in ((w0, c0, d0, acc0), (w1, c1, d1, acc1)):
             s = ir.Constant(v16, [0] * 16)
             for g in range(8):
-                wg = builder.load(llvm_addr(builder, w, 4 * g, I32), align=1)
-                s = builder.call(dpbusd, [s, xg[g], llvm_splat(builder, wg, I32, 16)])
-            s = builder.sub(s, llvm_splat(builder, c, I32, 16))
+                wg = builder.load(ir_addr(builder, w, 4 * g, I32), align=1)
+                s = builder.call(dpbusd, [s, xg[g], ir_splat(builder, wg, I32, 16)])
+            s = builder.sub(s, ir_splat(builder, c, I32, 16))
             # as q8_0_kernel: (f16(d_w) * d_x) * float(s), then acc + that
-            term = builder.fmul(builder.fmul(llvm_splat(builder, d, F32, 16), xdv),
+            term = builder.fmul(builder.fmul(ir_splat(builder, d, F32, 16), xdv),
                                 builder.sitofp(s, fv16))
-            p = llvm_addr(builder, acc, 0, fv16)
+            p = ir_addr(builder, acc, 0, fv16)
             builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
         return context.get_dummy_value()
 
@@ -151,7 +152,8 @@ def q8_0_row_vnni(w, r, xq, xd, xc, t, lut):
         b += 4
     while b < nb:  # the last nb % 4 blocks: steps 0, one block four times
         s = _q8_0_dot4_vnni(wr + 34 * b, 0, xr + 32 * b, 0)[0]
-        acc += (f16_at(lut, w, r, 34 * b) * xd[t, b]) * np.float32(np.int32(s - xc[t, b]))
+        acc += ((f16_at(lut, w, r, 34 * b) * xd[t, b])
+                * np.float32(np.int32(s - xc[t, b])))
         b += 1
     return acc
 
