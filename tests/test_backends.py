@@ -169,8 +169,8 @@ def test_warm_up_prepares_every_kernel_a_run_uses(oracle_gguf):
     decode steps) load or compile no further kernel signature. In a fresh process, since numba's compiled
     kernels live per process; so the CLI's tok/s never include a compile."""
     code = f"""
-from ds4ref.backends.numba_backend import NumbaBackend
-from ds4ref.backends.numba_kernels import kernel_signatures
+from ds4ref.backends.numba.backend import NumbaBackend
+from ds4ref.backends.numba.isa import kernel_signatures
 from ds4ref.engine import Engine
 be = NumbaBackend()
 secs, compiled = be.warm_up()
@@ -310,18 +310,18 @@ def test_numba_fused_expert_kernels_give_the_same_bits_on_either_path(model, ops
     """The byte-dot (SIMD) fused expert kernels, where the CPU has them, against the portable fused kernels: the
     same bits on ds4's recorded activations, and a -128 code (which the byte path cannot negate) is routed to the
     portable mid kernel. On a CPU without AVX2 both paths are the portable kernels and this compares them."""
-    import ds4ref.backends.numba_backend as nbm
-    from ds4ref.backends.numba_simd import IQ2_XXS_SIMD, Q2_K_SIMD
-    assert (nbm.EXPERTS_MID_SIMD is None) == (IQ2_XXS_SIMD is None)          # chapter 03's choice decides
-    assert (nbm.EXPERTS_DOWN_SIMD is None) == (Q2_K_SIMD is None)
+    import ds4ref.backends.numba.iq2_xxs as iq2
+    import ds4ref.backends.numba.q2_k as q2
+    assert (iq2.EXPERTS_MID_SIMD is None) == (iq2.IQ2_XXS_SIMD is None)      # chapter 03's choice decides
+    assert (q2.EXPERTS_DOWN_SIMD is None) == (q2.Q2_K_SIMD is None)
     nb = get_backend("numba", strict=True)
     cfg, W = model
 
     def both(fn):
         fast = fn()
         with monkeypatch.context() as m:
-            m.setattr(nbm, "EXPERTS_MID_SIMD", None)
-            m.setattr(nbm, "EXPERTS_DOWN_SIMD", None)
+            m.setattr(iq2, "EXPERTS_MID_SIMD", None)
+            m.setattr(q2, "EXPERTS_DOWN_SIMD", None)
             return fast, fn()
 
     for il in LAYERS:
@@ -660,9 +660,10 @@ def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
     lanes kernel) against chapter 3's composition over numba's own per-expert matvecs and against numpy's
     reference: the same bits, on the oracle model's experts with a routing where some experts take one pair, some
     a few and one more than IQ2_XXS_LANES_MIN_T; bad expert ids raise as the reference does."""
-    import ds4ref.backends.numba_batch as nbb
+    import ds4ref.backends.numba.iq2_xxs as iq2
+    import ds4ref.backends.numba.q2_k as q2
     from ds4ref.backend import NumpyBackend
-    from ds4ref.backends.numba_iq2 import IQ2_XXS_LANES_MIN_T
+    from ds4ref.backends.numba.iq2_xxs.lanes import IQ2_XXS_LANES_MIN_T
     from ds4ref.moe import MoEError
     from ds4ref.quant import quantize_q8_K
     cfg, W = model
@@ -677,8 +678,9 @@ def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
     wts = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
     g3, u3, d3 = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
     called = []
-    real = nbb.run_kernel
-    monkeypatch.setattr(nbb, "run_kernel", lambda kern, *a, **kw: (called.append(kern), real(kern, *a, **kw)))
+    for mod in (iq2, q2):   # each type's module calls its batch kernel
+        real = mod.run_kernel
+        monkeypatch.setattr(mod, "run_kernel", lambda kern, *a, real=real, **kw: (called.append(kern), real(kern, *a, **kw)))
     mid = nb.experts_mid(g3, u3, sel, wts, xq)
     assert mid.shape == (T, k, cfg.n_ff_exp)
     assert np.array_equal(mid, NumpyBackend.experts_mid(nb, g3, u3, sel, wts, xq))   # over numba's pair kernel
@@ -687,7 +689,8 @@ def test_numba_prefill_expert_passes_give_the_composed_bits(model, monkeypatch):
     assert down.shape == (T, cfg.n_embd)
     assert np.array_equal(down, NumpyBackend.experts_down(nb, d3, sel, midq))
     assert np.array_equal(down, NUMPY.experts_down(d3, sel, midq))
-    assert called == [k for k in (nbb.EXPERTS_GATE_UP_BATCH, nbb.EXPERTS_DOWN_BATCH) if k is not None]
+    batch = (iq2.EXPERTS_GATE_UP_BATCH, q2.EXPERTS_DOWN_BATCH)   # (the heavy expert runs the pair matvec's kernel)
+    assert [k for k in called if k in batch] == [k for k in batch if k is not None]
     bad = sel.copy()
     bad[1, 2] = cfg.n_expert
     for f in (lambda s: NUMPY.experts_mid(g3, u3, s, wts, xq), lambda s: NUMPY.experts_down(d3, s, midq)):

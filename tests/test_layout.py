@@ -99,7 +99,7 @@ def test_the_layers_stack_up():
     assert not [m for m in layers if "ds4ref.backend" in g[f"ds4ref.{m}"]]
     for low in ("ds4ref.ops", "ds4ref.matvec", "ds4ref.trace"):
         assert not {"ds4ref.backend", "ds4ref.attention", "ds4ref.moe", "ds4ref.hc"} & set(g[low])
-    for sub in ("numba_backend", "mlx_backend", "cupy_backend"):
+    for sub in ("numba.backend", "mlx_backend", "cupy_backend"):
         assert "ds4ref.backends" not in g[f"ds4ref.backends.{sub}"], sub
     # the tables of facts sit at the bottom: ggml's type ids / block sizes and the IQ2_XXS
     # tables import nothing of ds4ref, and the modules that use them import them from there

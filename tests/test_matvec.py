@@ -10,7 +10,7 @@ import pytest
 from ds4ref.backend import (COMPOSED, GLUE, KERNELS, KERNELS_BY_TYPE, NUMPY, SEAM, TYPE_KERNELS, BackendError,
                             NumpyBackend, TypeKernels, UnimplementedOpError, coverage)
 from ds4ref.backends import get_backend
-from ds4ref.backends.numba_backend import NumbaBackend
+from ds4ref.backends.numba.backend import NumbaBackend
 from ds4ref.matvec import MatvecError, matvec_f16, matvec_q8_0, matvec_q8_0_prequant
 from ds4ref.quant import TYPES, Q8Act, Q8KAct, QuantError, quantize_q8_0, quantize_q8_K
 from ds4ref.dev.quantize import quantize
@@ -304,7 +304,7 @@ def test_numba_f16_to_f32_is_exact_on_every_bit_pattern():
     """The kernel's in-register f16 conversion equals numpy's on all 65536 patterns (subnormals, inf, NaN payloads)."""
     from numba import njit
 
-    from ds4ref.backends.numba_kernels import f16_to_f32
+    from ds4ref.backends.numba.f16 import f16_to_f32
 
     @njit
     def convert_all(h, out):

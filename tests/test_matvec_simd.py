@@ -6,28 +6,34 @@ import numpy as np
 import pytest
 from llvmlite import binding as llvm
 
-import ds4ref.backends.numba_kernels as nk
-import ds4ref.backends.numba_simd as ns
-import ds4ref.backends.numba_vnni as nv
-import ds4ref.backends.numba_matvec as nm
+import ds4ref.backends.numba.iq2_xxs as iq2
+import ds4ref.backends.numba.iq2_xxs.avx2 as iq2a
+import ds4ref.backends.numba.iq2_xxs.portable as iq2p
+import ds4ref.backends.numba.isa as isa
+import ds4ref.backends.numba.q2_k as q2
+import ds4ref.backends.numba.q2_k.portable as q2p
+import ds4ref.backends.numba.q2_k.simd as q2s
+import ds4ref.backends.numba.q8_0 as q8
+import ds4ref.backends.numba.q8_0.portable as q8p
+import ds4ref.backends.numba.q8_0.vnni as nv
 from ds4ref.backend import NUMPY
 from ds4ref.backends import get_backend
 from ds4ref.matvec import weight_rows
 from ds4ref.quant import Q2_K, Q8KAct, quantize_q8_K
 
-KERNELS = ns.simd_kernels(ns.Q2_K_BYTE_DOT)
+KERNELS = isa.simd_kernels(q2s.Q2_K_BYTE_DOT)
 NUMBA = get_backend("numba", strict=True)
 
 
 def plain(raw, a: Q8KAct) -> np.ndarray:
     out = np.empty((len(a.qs), raw.shape[0]), np.float32)
-    nk.run_kernel(nk.q2_K_kernel, raw, a.qs.astype(np.int16), a.d, a.bsums, nk.F16_TO_F32, out)
+    isa.run_kernel(q2p.q2_K_kernel, raw, a.qs.astype(np.int16), a.d, a.bsums, isa.F16_TO_F32, out)
     return out
 
 
 def simd(kernel, raw, a: Q8KAct) -> np.ndarray:
     out = np.empty((len(a.qs), raw.shape[0]), np.float32)
-    nk.run_kernel(kernel, raw, np.ascontiguousarray(a.qs), a.d, np.ascontiguousarray(a.bsums), nk.F16_TO_F32, out)
+    isa.run_kernel(kernel, raw, np.ascontiguousarray(a.qs), a.d, np.ascontiguousarray(a.bsums), isa.F16_TO_F32, out)
     return out
 
 
@@ -43,10 +49,10 @@ def q2_K_rows(rng, rows: int, n: int, saturate: bool = False) -> np.ndarray:
 
 def test_simd_kernels_follow_the_host_features():
     f = llvm.get_host_cpu_features()
-    if nk.config.CPU_NAME in (None, "host"):
-        assert (ns.q2_K_avx512_kernel in KERNELS) == bool(f.get("avx512bw", False))
-        assert (ns.q2_K_avx2_kernel in KERNELS) == bool(f.get("avx2", False))
-    assert ns.Q2_K_SIMD is (KERNELS[0] if KERNELS else None)
+    if isa.config.CPU_NAME in (None, "host"):
+        assert (q2s.q2_K_avx512_kernel in KERNELS) == bool(f.get("avx512bw", False))
+        assert (q2s.q2_K_avx2_kernel in KERNELS) == bool(f.get("avx2", False))
+    assert q2s.Q2_K_SIMD is (KERNELS[0] if KERNELS else None)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
@@ -80,28 +86,28 @@ def test_backend_uses_either_path_with_the_same_bits(monkeypatch):
     a = quantize_q8_K(rng.standard_normal((2, 1024)).astype(np.float32))
     want = NUMPY.matvec_q2_K_q8_K(raw, a)
     assert np.array_equal(NUMBA.matvec_q2_K_q8_K(raw, a), want)
-    monkeypatch.setattr(nm, "Q2_K_SIMD", None)       # the wrapper reads its own binding
+    monkeypatch.setattr(q2, "Q2_K_SIMD", None)       # the wrapper reads its own binding
     assert np.array_equal(NUMBA.matvec_q2_K_q8_K(raw, a), want)
 
 
 def test_no_simd_kernels_for_a_generic_target(monkeypatch):
-    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
-    assert ns.host_simd() == frozenset() and ns.simd_kernels(ns.Q2_K_BYTE_DOT) == []
+    monkeypatch.setattr(isa.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", None)
+    assert isa.host_simd() == frozenset() and isa.simd_kernels(q2s.Q2_K_BYTE_DOT) == []
 
 
 # IQ2_XXS: the byte-dot pair kernel against the portable iq2_xxs_pair_kernel
 from ds4ref.quant import IQ2_XXS  # noqa: E402
 
-IQ2_KERNELS = ns.simd_kernels(ns.IQ2_XXS_BYTE_DOT)
+IQ2_KERNELS = isa.simd_kernels(iq2a.IQ2_XXS_BYTE_DOT)
 
 
 def iq2_pair(kernel, wg, wu, a: Q8KAct):
     """(gate, up) of a pair kernel: the portable one reads ds4's sign table, the byte-dot one
     spreads the signs from the block's own bits."""
     g, u = (np.empty((len(a.qs), wg.shape[0]), np.float32) for _ in range(2))
-    tables = (nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS) if kernel is nk.iq2_xxs_pair_kernel else (nk.IQ2XXS_GRID,)
-    nk.run_kernel(kernel, wg, wu, np.ascontiguousarray(a.qs), a.d, *tables, nk.F16_TO_F32, g, u)
+    tables = (iq2p.IQ2XXS_GRID, iq2p.IQ2XXS_SIGNS) if kernel is iq2p.iq2_xxs_pair_kernel else (iq2p.IQ2XXS_GRID,)
+    isa.run_kernel(kernel, wg, wu, np.ascontiguousarray(a.qs), a.d, *tables, isa.F16_TO_F32, g, u)
     return g, u
 
 
@@ -113,7 +119,7 @@ def iq2_xxs_rows(rng, rows: int, n: int) -> np.ndarray:
 
 
 def test_grid_fits_the_byte_dot():
-    assert set(np.unique(nk.IQ2XXS_GRID)) == {8, 25, 43}         # vpmaddubsw pairs <= 2 * 43 * 127
+    assert set(np.unique(iq2p.IQ2XXS_GRID)) == {8, 25, 43}         # vpmaddubsw pairs <= 2 * 43 * 127
 
 
 @pytest.mark.parametrize("kernel", IQ2_KERNELS, ids=lambda k: k.__name__)
@@ -130,7 +136,7 @@ def test_iq2_sign_spread_is_the_sign_table(kernel):
     wg = np.ascontiguousarray(rows.reshape(128, -1))
     wu = np.ascontiguousarray(wg[::-1])
     a = quantize_q8_K(rng.standard_normal((2, 1024)).astype(np.float32))
-    got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, wg, wu, a)
+    got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(iq2p.iq2_xxs_pair_kernel, wg, wu, a)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
@@ -156,7 +162,7 @@ def test_iq2_simd_equals_plain_kernel_on_ds4_experts(kernel, model, ops_A):
         e = int(ops_A[f"L{il}.P{p}.exp_ids"][0])
         wg = np.ascontiguousarray(weight_rows(lw.ffn_gate_exps.expert(e), IQ2_XXS))
         wu = np.ascontiguousarray(weight_rows(lw.ffn_up_exps.expert(e), IQ2_XXS))
-        got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, wg, wu, a)
+        got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(iq2p.iq2_xxs_pair_kernel, wg, wu, a)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), il
 
 
@@ -171,7 +177,7 @@ def test_iq2_simd_equals_plain_kernel_on_extreme_blocks(kernel):
                   rng.integers(-127, 128, (3, 2048), dtype=np.int8)).astype(np.int8)
     a = Q8KAct(qs, rng.uniform(0.001, 1, (3, 8)).astype(np.float32),
                qs.reshape(3, -1, 16).astype(np.int32).sum(-1).astype(np.int16))
-    got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(nk.iq2_xxs_pair_kernel, wg, wu, a)
+    got, want = iq2_pair(kernel, wg, wu, a), iq2_pair(iq2p.iq2_xxs_pair_kernel, wg, wu, a)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
@@ -187,26 +193,26 @@ def test_iq2_backend_uses_either_path_with_the_same_bits(monkeypatch):
         want = NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
         got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, act)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    monkeypatch.setattr(nm, "IQ2_XXS_SIMD", None)
+    monkeypatch.setattr(iq2, "IQ2_XXS_SIMD", None)
     got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
     assert np.array_equal(got[0], NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, a)[0])
 
 
 def test_iq2_simd_follows_the_host_features(monkeypatch):
     f = llvm.get_host_cpu_features()
-    if nk.config.CPU_NAME in (None, "host"):
-        assert (ns.iq2_xxs_pair_avx2_kernel in IQ2_KERNELS) == bool(f.get("avx2", False))
-    assert ns.IQ2_XXS_SIMD is (IQ2_KERNELS[0] if IQ2_KERNELS else None)
-    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
-    assert ns.simd_kernels(ns.IQ2_XXS_BYTE_DOT) == []
+    if isa.config.CPU_NAME in (None, "host"):
+        assert (iq2a.iq2_xxs_pair_avx2_kernel in IQ2_KERNELS) == bool(f.get("avx2", False))
+    assert iq2a.IQ2_XXS_SIMD is (IQ2_KERNELS[0] if IQ2_KERNELS else None)
+    monkeypatch.setattr(isa.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", None)
+    assert isa.simd_kernels(iq2a.IQ2_XXS_BYTE_DOT) == []
 
 
 # Q8_0: the AVX-512 VNNI kernels (one token at a time, 16-token lanes) against q8_0_kernel
 from ds4ref.matvec import matvec_q8_0_prequant  # noqa: E402
 from ds4ref.quant import Q8Act  # noqa: E402
 
-Q8_0_PAIRS = ns.simd_kernels(nv.Q8_0_BYTE_DOT)
+Q8_0_PAIRS = isa.simd_kernels(nv.Q8_0_BYTE_DOT)
 NO_VNNI = "this CPU (or NUMBA_CPU_NAME) lacks AVX-512 VNNI + VL: the VNNI Q8_0 kernels cannot run here"
 
 
@@ -231,30 +237,30 @@ def q8_0_act(rng, T: int, nb: int) -> Q8Act:
 
 def q8_0_plain(raw, a: Q8Act) -> np.ndarray:
     out = np.empty((len(a.qs), raw.shape[0]), np.float32)
-    nk.run_kernel(nk.q8_0_kernel, raw, a.qs, a.d, nk.F16_TO_F32, out)
+    isa.run_kernel(q8p.q8_0_kernel, raw, a.qs, a.d, isa.F16_TO_F32, out)
     return out
 
 
 def q8_0_vnni(pair, raw, a: Q8Act, lanes: bool) -> np.ndarray:
     out = np.empty((len(a.qs), raw.shape[0]), np.float32)
     if lanes:
-        nk.run_kernel(pair[1], raw, *nv.q8_0_lanes_operands(a.qs, a.d), len(a.qs), nk.F16_TO_F32, out)
+        isa.run_kernel(pair[1], raw, *nv.q8_0_lanes_operands(a.qs, a.d), len(a.qs), isa.F16_TO_F32, out)
     else:
         xc = 128 * a.qs.reshape(len(a.qs), -1, 32).sum(-1, dtype=np.int32)
-        nk.run_kernel(pair[0], raw, a.qs, a.d, xc, nk.F16_TO_F32, out)
+        isa.run_kernel(pair[0], raw, a.qs, a.d, xc, isa.F16_TO_F32, out)
     return out
 
 
 def test_vnni_follows_the_host_features(monkeypatch):
     f = llvm.get_host_cpu_features()
-    if nk.config.CPU_NAME in (None, "host"):
+    if isa.config.CPU_NAME in (None, "host"):
         want = bool(f.get("avx512vnni", False) and f.get("avx512vl", False))
-        assert ("avx512vnni" in ns.host_simd()) == want
+        assert ("avx512vnni" in isa.host_simd()) == want
         assert (len(Q8_0_PAIRS) == 1) == want
     assert nv.Q8_0_SIMD is (Q8_0_PAIRS[0] if Q8_0_PAIRS else None)
-    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
-    assert ns.simd_kernels(nv.Q8_0_BYTE_DOT) == []
+    monkeypatch.setattr(isa.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", None)
+    assert isa.simd_kernels(nv.Q8_0_BYTE_DOT) == []
 
 
 def test_q8_0_lanes_operands_layout():
@@ -308,15 +314,15 @@ def test_q8_0_backend_uses_either_path_with_the_same_bits(monkeypatch):
     a = q8_0_act(rng, 6, 32)
     batched = Q8Act(a.qs.reshape(2, 3, -1), a.d.reshape(2, 3, -1))
     assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, batched), matvec_q8_0_prequant(raw, batched))
-    monkeypatch.setattr(nm, "Q8_0_SIMD", None)
-    monkeypatch.setattr(nm, "Q8_0_AVX2", None)
+    monkeypatch.setattr(q8, "Q8_0_SIMD", None)
+    monkeypatch.setattr(q8, "Q8_0_AVX2", None)
     assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
 
 
 # Q8_0 by AVX2 (appendix D, D.6): |w| times sign(w) x by vpmaddubsw, one token at a time and 8-token lanes
-import ds4ref.backends.numba_q8avx2 as qa  # noqa: E402
+import ds4ref.backends.numba.q8_0.avx2 as qa  # noqa: E402
 
-Q8_0_AVX2_PAIRS = ns.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT)
+Q8_0_AVX2_PAIRS = isa.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT)
 NO_AVX2 = "this CPU (or NUMBA_CPU_NAME) lacks AVX2: the AVX2 Q8_0 kernels cannot run here"
 
 
@@ -333,21 +339,21 @@ def q8_0_act_127(rng, T: int, nb: int) -> Q8Act:
 def q8_0_avx2(pair, raw, a: Q8Act, lanes: bool) -> np.ndarray:
     out = np.full((len(a.qs), raw.shape[0]), np.nan, np.float32)
     if lanes:
-        nk.run_kernel(pair[1], raw, *qa.q8_0_avx2_lanes_operands(a.qs, a.d), len(a.qs), nk.F16_TO_F32, out)
+        isa.run_kernel(pair[1], raw, *qa.q8_0_avx2_lanes_operands(a.qs, a.d), len(a.qs), isa.F16_TO_F32, out)
     else:
-        nk.run_kernel(pair[0], raw, np.ascontiguousarray(a.qs), a.d, nk.F16_TO_F32, out)
+        isa.run_kernel(pair[0], raw, np.ascontiguousarray(a.qs), a.d, isa.F16_TO_F32, out)
     return out
 
 
 def test_q8_0_avx2_follows_the_host_features(monkeypatch):
     f = llvm.get_host_cpu_features()
-    if nk.config.CPU_NAME in (None, "host"):
+    if isa.config.CPU_NAME in (None, "host"):
         assert (len(Q8_0_AVX2_PAIRS) == 1) == bool(f.get("avx2", False))
     assert qa.Q8_0_AVX2 is (Q8_0_AVX2_PAIRS[0] if Q8_0_AVX2_PAIRS else None)
-    assert nm.Q8_0_AVX2 is qa.Q8_0_AVX2
-    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
-    assert ns.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT) == []
+    assert q8.Q8_0_AVX2 is qa.Q8_0_AVX2
+    monkeypatch.setattr(isa.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", None)
+    assert isa.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT) == []
 
 
 def test_q8_0_avx2_lanes_operands_layout():
@@ -406,7 +412,7 @@ def test_q8_0_avx2_equals_plain_kernel_on_ds4_tensors(model, ops_A):
             a = Q8Act(np.concatenate([ops_A[k + ".qs"].reshape(-1, ops_A[k + ".qs"].shape[-1]) for k in keys]),
                       np.concatenate([ops_A[k + ".d"].reshape(-1, ops_A[k + ".d"].shape[-1]) for k in keys]))
             assert (a.qs != -128).all()
-            raw = np.ascontiguousarray(weight_rows(getattr(w.layers[il], field), nm.Q8_0))
+            raw = np.ascontiguousarray(weight_rows(getattr(w.layers[il], field), q8.Q8_0))
             for sub, lanes in ((Q8Act(a.qs[:1], a.d[:1]), False), (a, True)):
                 want = q8_0_plain(raw, sub)
                 assert np.array_equal(q8_0_avx2(Q8_0_AVX2_PAIRS[0], raw, sub, lanes), want), (il, field, lanes)
@@ -419,9 +425,9 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
     rng = np.random.default_rng(9)
     raw = q8_0_rows(rng, 601, 16)
     called = []
-    real_run = nm.run_kernel
-    monkeypatch.setattr(nm, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
-    have = ns.host_simd()
+    real_run = q8.run_kernel
+    monkeypatch.setattr(q8, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
+    have = isa.host_simd()
     for T in (1, qa.Q8_0_AVX2_LANES_MIN_T - 1, qa.Q8_0_AVX2_LANES_MIN_T, 33):
         a = q8_0_act_127(rng, T, 16)
         for minus_128 in (False, True):
@@ -434,10 +440,10 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
             elif "avx2" in have and not minus_128:
                 want = qa.Q8_0_AVX2[1] if T >= qa.Q8_0_AVX2_LANES_MIN_T else nr.Q8_0_ROWS_AVX2
             else:
-                want = nk.q8_0_kernel
+                want = q8p.q8_0_kernel
             assert called == [want], (T, minus_128)
     if "avx2" in have:   # the AVX2 path as on a CPU without VNNI, and the portable one without AVX2
-        monkeypatch.setattr(nm, "Q8_0_SIMD", None)
+        monkeypatch.setattr(q8, "Q8_0_SIMD", None)
         for T in (1, qa.Q8_0_AVX2_LANES_MIN_T - 1):        # a few tokens: 8 rows in lanes
             a = q8_0_act_127(rng, T, 16)
             called.clear()
@@ -446,24 +452,24 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
         a = q8_0_act_127(rng, 12, 16)
         called.clear()
         assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
-        monkeypatch.setattr(nm, "Q8_0_AVX2", None)
+        monkeypatch.setattr(q8, "Q8_0_AVX2", None)
         assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
-        assert called == [qa.Q8_0_AVX2[1], nk.q8_0_kernel]
+        assert called == [qa.Q8_0_AVX2[1], q8p.q8_0_kernel]
     assert qa.Q8_0_AVX2_LANES_MIN_T >= 2
 
 
 # Q8_0 decode in row lanes (appendix D, D.7): 16 (VNNI) or 8 (AVX2) rows per register
-import ds4ref.backends.numba_rows as nr  # noqa: E402
+import ds4ref.backends.numba.q8_0.rows as nr  # noqa: E402
 
 ROWS_CASES = [pytest.param(kernel, needs, marks=pytest.mark.skipif(
-    needs not in ns.host_simd(), reason=f"this CPU (or NUMBA_CPU_NAME) lacks {needs}: the row-lanes kernel "
+    needs not in isa.host_simd(), reason=f"this CPU (or NUMBA_CPU_NAME) lacks {needs}: the row-lanes kernel "
     "cannot run here"), id=needs) for kernel, needs in nr.Q8_0_ROWS_BYTE_DOT]
 
 
 def q8_0_rows_kernel(kernel, raw, a: Q8Act) -> np.ndarray:
     out = np.full((len(a.qs), raw.shape[0]), np.nan, np.float32)
     xc = 128 * a.qs.reshape(len(a.qs), -1, 32).sum(-1, dtype=np.int32)
-    nk.run_kernel(kernel, raw, np.ascontiguousarray(a.qs), np.ascontiguousarray(a.d), xc, nk.F16_TO_F32, out)
+    isa.run_kernel(kernel, raw, np.ascontiguousarray(a.qs), np.ascontiguousarray(a.d), xc, isa.F16_TO_F32, out)
     return out
 
 
@@ -506,24 +512,24 @@ def test_q8_0_rows_equal_plain_kernel_on_ds4_tensors(kernel, needs, model, ops_A
             k = f"L{il}.P{int(ops_A['positions'][0])}.{act}"
             a = Q8Act(ops_A[k + ".qs"].reshape(1, -1), ops_A[k + ".d"].reshape(1, -1))
             assert (a.qs != -128).all()
-            raw = np.ascontiguousarray(weight_rows(getattr(w.layers[il], field), nm.Q8_0))
+            raw = np.ascontiguousarray(weight_rows(getattr(w.layers[il], field), q8.Q8_0))
             assert np.array_equal(q8_0_rows_kernel(kernel, raw, a), q8_0_plain(raw, a)), (il, field)
 
 
 def test_q8_0_rows_follow_the_host_features(monkeypatch):
-    have = ns.host_simd()
+    have = isa.host_simd()
     assert (nr.Q8_0_ROWS_VNNI is not None) == ("avx512vnni" in have) == (nv.Q8_0_SIMD is not None)
     assert (nr.Q8_0_ROWS_AVX2 is not None) == ("avx2" in have) == (qa.Q8_0_AVX2 is not None)
-    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
-    assert ns.simd_kernels(nr.Q8_0_ROWS_BYTE_DOT) == []
+    monkeypatch.setattr(isa.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", None)
+    assert isa.simd_kernels(nr.Q8_0_ROWS_BYTE_DOT) == []
 
 
 # IQ2_XXS in lanes (appendix D, D.8): each row decoded once, 8 (AVX2) or 16 (AVX-512) tokens per vector,
 # against the portable iq2_xxs_pair_kernel
-import ds4ref.backends.numba_iq2 as ni  # noqa: E402
+import ds4ref.backends.numba.iq2_xxs.lanes as ni  # noqa: E402
 
-HAVE = ns.host_simd()
+HAVE = isa.host_simd()
 LANES_CASES = [pytest.param(kernel, lanes, marks=pytest.mark.skipif(
     need not in HAVE, reason=f"this CPU (or NUMBA_CPU_NAME) lacks {need}: {kernel.__name__} cannot run here"),
     id=kernel.__name__) for (kernel, lanes), need in ni.IQ2_XXS_LANES_BYTE_DOT]
@@ -532,7 +538,7 @@ LANES_CASES = [pytest.param(kernel, lanes, marks=pytest.mark.skipif(
 def iq2_lanes(kernel, lanes, wg, wu, qs, d):
     g, u = (np.full((len(qs), wg.shape[0]), np.nan, np.float32) for _ in range(2))
     xu, ydl = ni.iq2_xxs_lanes_operands(np.ascontiguousarray(qs), d, lanes)
-    nk.run_kernel(kernel, wg, wu, xu, ydl, len(qs), nk.IQ2XXS_GRID, nk.F16_TO_F32, g, u)
+    isa.run_kernel(kernel, wg, wu, xu, ydl, len(qs), iq2p.IQ2XXS_GRID, isa.F16_TO_F32, g, u)
     return g, u
 
 
@@ -575,7 +581,7 @@ def extreme_iq2_case(rng, T: int):
                   rng.integers(-128, 128, (T, 2048), dtype=np.int8)).astype(np.int8)
     d = rng.uniform(0.001, 1, (T, 8)).astype(np.float32)
     want = (np.empty((T, 45), np.float32), np.empty((T, 45), np.float32))
-    nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs, d, nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS, nk.F16_TO_F32, *want)
+    isa.run_kernel(iq2p.iq2_xxs_pair_kernel, wg, wu, qs, d, iq2p.IQ2XXS_GRID, iq2p.IQ2XXS_SIGNS, isa.F16_TO_F32, *want)
     return wg, wu, qs, d, want
 
 
@@ -604,8 +610,8 @@ def ds4_expert_batches(model, ops_A, layers):
         wu = np.ascontiguousarray(weight_rows(w.layers[il].ffn_up_exps.expert(e), IQ2_XXS))
         for n in (1, len(qs)):
             want = (np.empty((n, wg.shape[0]), np.float32), np.empty((n, wg.shape[0]), np.float32))
-            nk.run_kernel(nk.iq2_xxs_pair_kernel, wg, wu, qs[:n], d[:n], nk.IQ2XXS_GRID, nk.IQ2XXS_SIGNS,
-                          nk.F16_TO_F32, *want)
+            isa.run_kernel(iq2p.iq2_xxs_pair_kernel, wg, wu, qs[:n], d[:n], iq2p.IQ2XXS_GRID, iq2p.IQ2XXS_SIGNS,
+                          isa.F16_TO_F32, *want)
             yield il, n, wg, wu, qs[:n], d[:n], want
 
 
@@ -619,19 +625,19 @@ def test_iq2_backend_batches_take_the_lanes_kernel_with_the_same_bits(monkeypatc
     a.qs[3, 7] = -128
     want = NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
     called = []
-    real_run = nm.run_kernel
-    monkeypatch.setattr(nm, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
+    real_run = iq2.run_kernel
+    monkeypatch.setattr(iq2, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
     got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    assert called == [nm.IQ2_XXS_LANES[0] if nm.IQ2_XXS_LANES is not None else nk.iq2_xxs_pair_kernel]
-    monkeypatch.setattr(nm, "IQ2_XXS_LANES", None)
+    assert called == [iq2.IQ2_XXS_LANES[0] if iq2.IQ2_XXS_LANES is not None else iq2p.iq2_xxs_pair_kernel]
+    monkeypatch.setattr(iq2, "IQ2_XXS_LANES", None)
     got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    assert called[-1] is (nm.IQ2_XXS_TOKENS or nk.iq2_xxs_pair_kernel)  # the -128 code: not the one-token byte path
-    monkeypatch.setattr(nm, "IQ2_XXS_TOKENS", None)
+    assert called[-1] is (iq2.IQ2_XXS_TOKENS or iq2p.iq2_xxs_pair_kernel)  # the -128 code: not the one-token byte path
+    monkeypatch.setattr(iq2, "IQ2_XXS_TOKENS", None)
     got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    assert called[-1] is nk.iq2_xxs_pair_kernel
+    assert called[-1] is iq2p.iq2_xxs_pair_kernel
 
 
 # IQ2_XXS for a few tokens (appendix D, D.9): each row decoded once, then dotted with each token
@@ -640,8 +646,8 @@ NO_TOKENS = "this CPU (or NUMBA_CPU_NAME) lacks AVX2: the few-token IQ2_XXS kern
 
 def iq2_tokens(wg, wu, qs, d):
     g, u = np.full((len(qs), wg.shape[0]), np.nan, np.float32), np.full((len(qs), wg.shape[0]), np.nan, np.float32)
-    nk.run_kernel(ni.IQ2_XXS_TOKENS, wg, wu, ni.iq2_xxs_tokens_operand(qs), d, nk.IQ2XXS_GRID,
-                  nk.F16_TO_F32, g, u)
+    isa.run_kernel(ni.IQ2_XXS_TOKENS, wg, wu, ni.iq2_xxs_tokens_operand(qs), d, iq2p.IQ2XXS_GRID,
+                  isa.F16_TO_F32, g, u)
     return g, u
 
 
@@ -671,8 +677,8 @@ def test_iq2_dispatch_by_token_count(monkeypatch):
     rng = np.random.default_rng(17)
     wg, wu = iq2_xxs_rows(rng, 300, 512), iq2_xxs_rows(rng, 300, 512)
     called = []
-    real_run = nm.run_kernel
-    monkeypatch.setattr(nm, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
+    real_run = iq2.run_kernel
+    monkeypatch.setattr(iq2, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
     assert 2 < ni.IQ2_XXS_LANES_MIN_T
     for T, minus_128 in ((1, False), (1, True), (2, False), (ni.IQ2_XXS_LANES_MIN_T - 1, True),
                          (ni.IQ2_XXS_LANES_MIN_T, False)):
@@ -683,28 +689,28 @@ def test_iq2_dispatch_by_token_count(monkeypatch):
         want = NUMPY.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
         got = NUMBA.matvec_iq2_xxs_pair_q8_K(wg, wu, a)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), (T, minus_128)
-        if nm.IQ2_XXS_LANES is not None and T >= ni.IQ2_XXS_LANES_MIN_T:
-            expect = nm.IQ2_XXS_LANES[0]
-        elif nm.IQ2_XXS_TOKENS is not None and (T > 1 or minus_128):
-            expect = nm.IQ2_XXS_TOKENS
-        elif nm.IQ2_XXS_SIMD is not None and not minus_128:
-            expect = nm.IQ2_XXS_SIMD
+        if iq2.IQ2_XXS_LANES is not None and T >= ni.IQ2_XXS_LANES_MIN_T:
+            expect = iq2.IQ2_XXS_LANES[0]
+        elif iq2.IQ2_XXS_TOKENS is not None and (T > 1 or minus_128):
+            expect = iq2.IQ2_XXS_TOKENS
+        elif iq2.IQ2_XXS_SIMD is not None and not minus_128:
+            expect = iq2.IQ2_XXS_SIMD
         else:
-            expect = nk.iq2_xxs_pair_kernel
+            expect = iq2p.iq2_xxs_pair_kernel
         assert called == [expect], (T, minus_128)
-    assert (ni.IQ2_XXS_TOKENS is not None) == ("avx2" in ns.host_simd())
+    assert (ni.IQ2_XXS_TOKENS is not None) == ("avx2" in isa.host_simd())
 
 
 def test_iq2_lanes_follow_the_host_features(monkeypatch):
     order = [need for _, need in ni.IQ2_XXS_LANES_BYTE_DOT]
     assert order == ["avx512vnni", "avx512bw", "avx2"]              # widest first
     first = next((k for k, need in ni.IQ2_XXS_LANES_BYTE_DOT if need in HAVE), None)
-    assert ni.IQ2_XXS_LANES == first and nm.IQ2_XXS_LANES == first
+    assert ni.IQ2_XXS_LANES == first and iq2.IQ2_XXS_LANES == first
     if first is not None:
         assert first[1] == (16 if first[0] is not ni.iq2_xxs_pair_lanes_avx2_kernel else 8)
-    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
-    assert ns.simd_kernels(ni.IQ2_XXS_LANES_BYTE_DOT) == []
+    monkeypatch.setattr(isa.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", None)
+    assert isa.simd_kernels(ni.IQ2_XXS_LANES_BYTE_DOT) == []
 
 
 # the grouped output projection of one token in one loop (appendix D, D.7; chapter 3's matvec_q8_0_grouped)
@@ -716,8 +722,8 @@ def test_q8_0_grouped_equals_the_composed_reference(monkeypatch):
     G, rank, nb = 8, 48, 5
     raw = q8_0_rows(rng, G * rank, nb)
     called = []
-    real_run = nm.run_kernel
-    monkeypatch.setattr(nm, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
+    real_run = q8.run_kernel
+    monkeypatch.setattr(q8, "run_kernel", lambda k, *args, **kw: (called.append(k), real_run(k, *args, **kw)))
     for shape in ((1, G, 32 * nb), (3, G, 32 * nb)):
         x = rng.standard_normal(shape).astype(np.float32)
         called.clear()
@@ -745,15 +751,15 @@ def test_q8_0_grouped_kernels_on_ds4_attention_output(model, ops_A):
 
 
 # F16 by vcvtph2ps (appendix D, D.10)
-import ds4ref.backends.numba_f16 as nf  # noqa: E402
+import ds4ref.backends.numba.f16 as nf  # noqa: E402
 
 
 def test_f16_simd_follows_the_host_features_and_is_the_matvecs_choice(monkeypatch):
-    assert (nf.F16_SIMD is not None) == ("avx2" in ns.host_simd())
-    assert nm.F16_SIMD is nf.F16_SIMD
-    monkeypatch.setattr(nk.config, "CPU_NAME", "generic")
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
-    assert ns.simd_kernels(((nf.f16_f16c_kernel, "avx2"),)) == []
+    assert (nf.F16_SIMD is not None) == ("avx2" in isa.host_simd())
+    assert nf.F16_SIMD is nf.F16_SIMD
+    monkeypatch.setattr(isa.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", None)
+    assert isa.simd_kernels(((nf.f16_f16c_kernel, "avx2"),)) == []
 
 
 @pytest.mark.skipif(nf.F16_SIMD is None, reason="this CPU (or NUMBA_CPU_NAME) lacks AVX2/F16C: the vcvtph2ps kernel "
@@ -769,12 +775,12 @@ def test_f16_simd_equals_an_exact_float64_dot_within_float32_rounding(n):
                                  np.float16)[: min(8, w.size)]
     x = rng.standard_normal((5, n)).astype(np.float32)
     out = np.empty((5, 21), np.float32)
-    nk.run_kernel(nf.F16_SIMD, w.view(np.uint16), x, nk.F16_TO_F32, out)
+    isa.run_kernel(nf.F16_SIMD, w.view(np.uint16), x, isa.F16_TO_F32, out)
     exact = x.astype(np.float64) @ w.astype(np.float64).T
     scale = np.abs(x).astype(np.float64) @ np.abs(w.astype(np.float64)).T
     assert (np.abs(out - exact) <= 8 * np.finfo(np.float32).eps * scale + 1e-30).all()
     alone = np.empty((1, 21), np.float32)
-    nk.run_kernel(nf.F16_SIMD, w.view(np.uint16), np.ascontiguousarray(x[3:4]), nk.F16_TO_F32, alone)
+    isa.run_kernel(nf.F16_SIMD, w.view(np.uint16), np.ascontiguousarray(x[3:4]), isa.F16_TO_F32, alone)
     assert np.array_equal(alone[0], out[3])
 
 
@@ -785,7 +791,7 @@ import sys  # noqa: E402
 _LOGITS = """
 import sys, numpy as np
 from ds4ref.engine import Engine
-from ds4ref.backends.numba_simd import host_simd
+from ds4ref.backends.numba.isa import host_simd
 eng = Engine.open("data/oracle/dev_seed1.gguf", backend="numba")
 s = eng.session(ctx_size=128)
 s.sync([0, 511, 574, 370, 228, 17, 42, 99, 7, 300, 301, 302])
@@ -808,17 +814,17 @@ def _run(code: str, level: str | None, *args) -> subprocess.CompletedProcess:
 
 
 def test_ds4ref_simd_narrows_the_probe_and_rejects_unknown_levels():
-    probe = "from ds4ref.backends.numba_simd import host_simd; print(','.join(sorted(host_simd())))"
+    probe = "from ds4ref.backends.numba.isa import host_simd; print(','.join(sorted(host_simd())))"
     full = _run(probe, None).stdout.strip()
     assert _run(probe, "avx512").stdout.strip() == full
     assert _run(probe, "avx2").stdout.strip() == ("avx2" if "avx2" in full.split(",") else "")
     assert _run(probe, "none").stdout.strip() == ""
-    bad = _run("import ds4ref.backends.numba_backend", "avx9")
+    bad = _run("import ds4ref.backends.numba.backend", "avx9")
     assert bad.returncode != 0
     assert "SimdSettingError: DS4REF_SIMD='avx9': expected one of none, avx2, avx512" in bad.stderr
 
 
-@pytest.mark.skipif("avx2" not in ns.host_simd(), reason="this CPU (or NUMBA_CPU_NAME) lacks AVX2: no AVX2 path to "
+@pytest.mark.skipif("avx2" not in isa.host_simd(), reason="this CPU (or NUMBA_CPU_NAME) lacks AVX2: no AVX2 path to "
                     "compare")
 def test_the_avx2_path_gives_the_engine_the_same_bits(tmp_path):
     """The numba engine on the oracle model (a 12-token prefill, 4 decode steps) with the probe narrowed to AVX2
@@ -840,12 +846,12 @@ def test_the_probe_reads_the_features_numba_compiles_for(monkeypatch):
     setting does), the probe takes that target's NUMBA_CPU_FEATURES, not this CPU's: a Zen 3's list gives the
     AVX2 kernels, an AVX-512 list the AVX-512 ones, and no list none."""
     monkeypatch.delenv("DS4REF_SIMD", raising=False)
-    monkeypatch.setattr(nk.config, "CPU_NAME", "znver3")
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", "+avx2,+fma,+f16c,-avx512f,-avx512bw,-avx512vl,-avx512vnni")
-    assert ns.host_simd() == frozenset({"avx2"})
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", "+avx2,+avx512f,+avx512bw,+avx512vl,+avx512vnni")
-    assert ns.host_simd() == frozenset({"avx2", "avx512bw", "avx512vnni"})
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", "+avx2,+avx512bw,-avx512vl,+avx512vnni")
-    assert ns.host_simd() == frozenset({"avx2", "avx512bw"})      # the VNNI dot needs VL
-    monkeypatch.setattr(nk.config, "CPU_FEATURES", None)
-    assert ns.host_simd() == frozenset()
+    monkeypatch.setattr(isa.config, "CPU_NAME", "znver3")
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", "+avx2,+fma,+f16c,-avx512f,-avx512bw,-avx512vl,-avx512vnni")
+    assert isa.host_simd() == frozenset({"avx2"})
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", "+avx2,+avx512f,+avx512bw,+avx512vl,+avx512vnni")
+    assert isa.host_simd() == frozenset({"avx2", "avx512bw", "avx512vnni"})
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", "+avx2,+avx512bw,-avx512vl,+avx512vnni")
+    assert isa.host_simd() == frozenset({"avx2", "avx512bw"})      # the VNNI dot needs VL
+    monkeypatch.setattr(isa.config, "CPU_FEATURES", None)
+    assert isa.host_simd() == frozenset()

@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     import numba
-    import ds4ref.backends.numba_matvec as nm
+    import ds4ref.backends.numba.iq2_xxs as nm
     from ds4ref.matvec import matvec_iq2_xxs_pair_q8_K
     from ds4ref.quant import Q8KAct
 

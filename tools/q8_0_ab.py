@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     ap.add_argument("--all-variants", action="store_true")
     args = ap.parse_args(argv)
 
-    import ds4ref.backends.numba_matvec as nm
+    import ds4ref.backends.numba.q8_0 as nm
 
     if nm.Q8_0_SIMD is None:
         sys.exit("this CPU (or NUMBA_CPU_NAME) has no AVX-512 VNNI: nothing to compare")

@@ -38,8 +38,8 @@ def main(argv=None) -> None:
     add_ab_args(ap, threads="1,2", tokens="1,4,8,16,128")
     args = ap.parse_args(argv)
 
-    import ds4ref.backends.numba_matvec as nm
-    import ds4ref.backends.numba_q8avx2 as qa
+    import ds4ref.backends.numba.q8_0 as nm
+    import ds4ref.backends.numba.q8_0.avx2 as qa
 
     kernels = qa.simd_kernels(qa.Q8_0_AVX2_BYTE_DOT)
     if not kernels:

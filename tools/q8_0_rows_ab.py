@@ -38,11 +38,11 @@ def main(argv=None) -> None:
     add_ab_args(ap, threads="2,1", tokens="1")
     args = ap.parse_args(argv)
 
-    from ds4ref.backends.numba_kernels import F16_TO_F32, q8_0_kernel, run_kernel
-    from ds4ref.backends.numba_q8avx2 import q8_0_avx2_kernel
-    from ds4ref.backends.numba_rows import q8_0_rows_avx2_kernel, q8_0_rows_vnni_kernel
-    from ds4ref.backends.numba_simd import host_simd
-    from ds4ref.backends.numba_vnni import q8_0_vnni_kernel
+    from ds4ref.backends.numba.isa import F16_TO_F32, host_simd, run_kernel
+    from ds4ref.backends.numba.q8_0.portable import q8_0_kernel
+    from ds4ref.backends.numba.q8_0.avx2 import q8_0_avx2_kernel
+    from ds4ref.backends.numba.q8_0.rows import q8_0_rows_avx2_kernel, q8_0_rows_vnni_kernel
+    from ds4ref.backends.numba.q8_0.vnni import q8_0_vnni_kernel
 
     have = host_simd()
     kernels = {}

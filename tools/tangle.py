@@ -9,7 +9,7 @@ cells marked for export, and write them to modules.
 Markers (first lines of a code cell, nbdev's spelling):
     #| default_exp gguf          the chapter's default module (ds4ref/gguf.py)
     #| export                    this cell goes to the default module
-    #| export backends.numba_backend   this cell goes to another module
+    #| export backends.numba.backend   this cell goes to another module
 
 A module may receive cells from several chapters; they are joined in chapter
 order. Every generated module starts with a do-not-edit header naming its

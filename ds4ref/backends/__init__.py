@@ -74,7 +74,7 @@ class BackendSpec:
 # the one list of backends
 REGISTRY = {b.name: b for b in (
     BackendSpec("numpy", "ds4ref.backend", "NumpyBackend", _numpy_status),
-    BackendSpec("numba", "ds4ref.backends.numba_backend", "NumbaBackend",
+    BackendSpec("numba", "ds4ref.backends.numba.backend", "NumbaBackend",
                 _numba_status),
     BackendSpec("mlx", "ds4ref.backends.mlx_backend", "MlxBackend", _mlx_status,
                 "apple-gpu", "MLX's Metal path", resident=True, auto_order=2),
@@ -272,7 +272,7 @@ def _simd_description() -> dict:
     if importlib.util.find_spec("numba") is None:
         return {}
     from llvmlite import binding
-    from ds4ref.backends.numba_simd import host_simd
+    from ds4ref.backends.numba.isa import host_simd
     have = binding.get_host_cpu_features()
     # the CPU's own vector sets, whatever DS4REF_SIMD lets the kernels use
     flags = sorted(f for f, on in have.items() if on and f.startswith(SIMD_FAMILIES))

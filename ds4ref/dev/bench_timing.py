@@ -39,7 +39,7 @@ def read_bandwidth(readings: int = 5) -> dict:
     'parallel_gbps' (numba, all threads) and 'numpy_1_thread_gbps' keep the names of
     the records written before, which summed a float64 buffer another way."""
     from numba import get_num_threads
-    from ds4ref.backends.numba_backend import choose_threading_layer
+    from ds4ref.backends.numba.backend import choose_threading_layer
     choose_threading_layer()  # before this process's first parallel kernel
     from ds4ref.dev.bench_bandwidth import (
         POOL_BYTES,

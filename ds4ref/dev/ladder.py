@@ -14,7 +14,16 @@ import numba
 import numpy as np
 
 from ds4ref.backend import NUMPY
-from ds4ref.backends import numba_matvec as nm
+from ds4ref.backends.numba import f16, isa, q8_0
+from ds4ref.backends.numba.iq2_xxs import avx2 as iq2_avx2
+from ds4ref.backends.numba.iq2_xxs import lanes as iq2_lanes
+from ds4ref.backends.numba.iq2_xxs import portable as iq2_port
+from ds4ref.backends.numba.q2_k import portable as q2_port
+from ds4ref.backends.numba.q2_k import simd as q2_simd
+from ds4ref.backends.numba.q8_0 import avx2 as q8_avx2
+from ds4ref.backends.numba.q8_0 import portable as q8_port
+from ds4ref.backends.numba.q8_0 import rows as q8_rows
+from ds4ref.backends.numba.q8_0 import vnni as q8_vnni
 from ds4ref.dev.bench import machine, weight_pool
 from ds4ref.dev.bench_bandwidth import (
     POOL_BYTES,
@@ -43,11 +52,11 @@ def _no_slp(kernel):
 def q8_0_rungs(T: int) -> list:
     """(name, fn(raw, a) -> out) for a Q8_0 matvec of T tokens: the reference, the
     portable kernel without and with SLP, then each byte-dot kernel this CPU runs."""
-    lut, run = nm.F16_TO_F32, nm.run_kernel
-    slow = _no_slp(nm.q8_0_kernel)
+    lut, run = isa.F16_TO_F32, isa.run_kernel
+    slow = _no_slp(q8_port.q8_0_kernel)
 
     def out(raw, a):
-        return nm._out(len(a.qs), raw.shape[0])
+        return isa.new_out(len(a.qs), raw.shape[0])
 
     def plain(kernel):
         def f(raw, a):
@@ -59,7 +68,7 @@ def q8_0_rungs(T: int) -> list:
     def few(kernel):
         def f(raw, a):
             o = out(raw, a)
-            nm._q8_0_few(kernel, raw, a.qs, a.d, o)
+            q8_0.q8_0_few(kernel, raw, a.qs, a.d, o)
             return o
         return f
 
@@ -77,87 +86,93 @@ def q8_0_rungs(T: int) -> list:
         return o
 
     rungs = [("numpy reference", lambda raw, a: NUMPY.matvec_q8_0_prequant(raw, a)),
-             ("D.2 portable, SLP off", no_slp), ("D.2 portable", plain(nm.q8_0_kernel))]
-    if nm.Q8_0_AVX2 is not None:
-        rungs.append(("D.6 AVX2 byte dots", plain(nm.Q8_0_AVX2[0])))
-    if nm.Q8_0_SIMD is not None:
-        rungs.append(("D.5 VNNI byte dots", few(nm.Q8_0_SIMD[0])))
-    if nm.Q8_0_ROWS_AVX2 is not None:
-        rungs.append(("D.7 AVX2, 8 rows in lanes", few(nm.Q8_0_ROWS_AVX2)))
-    if nm.Q8_0_ROWS_VNNI is not None:
-        rungs.append(("D.7 VNNI, 16 rows in lanes", few(nm.Q8_0_ROWS_VNNI)))
-    if T > 1 and nm.Q8_0_AVX2 is not None:
+             ("D.2 portable, SLP off", no_slp),
+             ("D.2 portable", plain(q8_port.q8_0_kernel))]
+    if q8_avx2.Q8_0_AVX2 is not None:
+        rungs.append(("D.6 AVX2 byte dots", plain(q8_avx2.Q8_0_AVX2[0])))
+    if q8_vnni.Q8_0_SIMD is not None:
+        rungs.append(("D.5 VNNI byte dots", few(q8_vnni.Q8_0_SIMD[0])))
+    if q8_rows.Q8_0_ROWS_AVX2 is not None:
+        rungs.append(("D.7 AVX2, 8 rows in lanes", few(q8_rows.Q8_0_ROWS_AVX2)))
+    if q8_rows.Q8_0_ROWS_VNNI is not None:
+        rungs.append(("D.7 VNNI, 16 rows in lanes", few(q8_rows.Q8_0_ROWS_VNNI)))
+    if T > 1 and q8_avx2.Q8_0_AVX2 is not None:
         rungs.append(("D.6 AVX2, 8 tokens in lanes",
-                      lanes(nm.Q8_0_AVX2[1], nm.q8_0_avx2_lanes_operands)))
-    if T > 1 and nm.Q8_0_SIMD is not None:
+                      lanes(q8_avx2.Q8_0_AVX2[1], q8_avx2.q8_0_avx2_lanes_operands)))
+    if T > 1 and q8_vnni.Q8_0_SIMD is not None:
         rungs.append(("D.5 VNNI, 16 tokens in lanes",
-                      lanes(nm.Q8_0_SIMD[1], nm.q8_0_lanes_operands)))
+                      lanes(q8_vnni.Q8_0_SIMD[1], q8_vnni.q8_0_lanes_operands)))
     return rungs
 
 
 def iq2_xxs_rungs(T: int) -> list:
     """(name, fn((gate, up), a) -> (g, u)) for the IQ2_XXS pair of T tokens."""
-    lut, run, grid = nm.F16_TO_F32, nm.run_kernel, nm.IQ2XXS_GRID
+    lut, run, grid = isa.F16_TO_F32, isa.run_kernel, iq2_port.IQ2XXS_GRID
 
     def outs(w, a):
-        return nm._out(len(a.qs), w[0].shape[0]), nm._out(len(a.qs), w[0].shape[0])
+        shape = (len(a.qs), w[0].shape[0])
+        return isa.new_out(*shape), isa.new_out(*shape)
 
     def portable(w, a):
         g, u = outs(w, a)
-        run(nm.iq2_xxs_pair_kernel, w[0], w[1], a.qs, a.d, grid, nm.IQ2XXS_SIGNS, lut,
+        run(iq2_port.iq2_xxs_pair_kernel, w[0], w[1], a.qs, a.d, grid,
+            iq2_port.IQ2XXS_SIGNS, lut,
             g, u, rows=len(w[0]))
         return g, u
 
     def byte_dots(w, a):
         g, u = outs(w, a)
-        run(nm.IQ2_XXS_SIMD, w[0], w[1], np.ascontiguousarray(a.qs), a.d, grid, lut,
+        run(iq2_avx2.IQ2_XXS_SIMD, w[0], w[1], np.ascontiguousarray(a.qs), a.d, grid,
+            lut,
             g, u, rows=len(w[0]))
         return g, u
 
     def decode_once(w, a):
         g, u = outs(w, a)
-        run(nm.IQ2_XXS_TOKENS, w[0], w[1], nm.iq2_xxs_tokens_operand(a.qs), a.d, grid,
+        run(iq2_lanes.IQ2_XXS_TOKENS, w[0], w[1],
+            iq2_lanes.iq2_xxs_tokens_operand(a.qs), a.d, grid,
             lut, g, u, rows=len(w[0]))
         return g, u
 
     def token_lanes(w, a):
         g, u = outs(w, a)
-        kernel, n_lanes = nm.IQ2_XXS_LANES
-        xu, ydl = nm.iq2_xxs_lanes_operands(np.ascontiguousarray(a.qs), a.d, n_lanes)
+        kernel, n_lanes = iq2_lanes.IQ2_XXS_LANES
+        xu, ydl = iq2_lanes.iq2_xxs_lanes_operands(np.ascontiguousarray(a.qs), a.d,
+                                                   n_lanes)
         run(kernel, w[0], w[1], xu, ydl, len(a.qs), grid, lut, g, u, rows=len(w[0]))
         return g, u
 
     rungs = [("numpy reference",
               lambda w, a: NUMPY.matvec_iq2_xxs_pair_q8_K(w[0], w[1], a)),
              ("D.2 portable", portable)]
-    if nm.IQ2_XXS_SIMD is not None:
+    if iq2_avx2.IQ2_XXS_SIMD is not None:
         rungs.append(("D.4 AVX2 byte dots", byte_dots))
-    if nm.IQ2_XXS_TOKENS is not None:
+    if iq2_lanes.IQ2_XXS_TOKENS is not None:
         rungs.append(("D.9 rows decoded once", decode_once))
-    if T > 1 and nm.IQ2_XXS_LANES is not None:
-        rungs.append((f"D.8 {nm.IQ2_XXS_LANES[1]} tokens in lanes", token_lanes))
+    if T > 1 and iq2_lanes.IQ2_XXS_LANES is not None:
+        rungs.append((f"D.8 {iq2_lanes.IQ2_XXS_LANES[1]} tokens in lanes", token_lanes))
     return rungs
 
 
 def q2_K_rungs(T: int) -> list:
     """(name, fn(raw, a) -> out) for a Q2_K matvec of T tokens."""
-    lut, run = nm.F16_TO_F32, nm.run_kernel
+    lut, run = isa.F16_TO_F32, isa.run_kernel
 
     def portable(raw, a):
-        o = nm._out(len(a.qs), raw.shape[0])
-        run(nm.q2_K_kernel, raw, a.qs.astype(np.int16), a.d, a.bsums, lut, o,
+        o = isa.new_out(len(a.qs), raw.shape[0])
+        run(q2_port.q2_K_kernel, raw, a.qs.astype(np.int16), a.d, a.bsums, lut, o,
             rows=raw.shape[0])
         return o
 
     def byte_dots(raw, a):
-        o = nm._out(len(a.qs), raw.shape[0])
-        run(nm.Q2_K_SIMD, raw, np.ascontiguousarray(a.qs), a.d,
+        o = isa.new_out(len(a.qs), raw.shape[0])
+        run(q2_simd.Q2_K_SIMD, raw, np.ascontiguousarray(a.qs), a.d,
             np.ascontiguousarray(a.bsums), lut, o, rows=raw.shape[0])
         return o
 
     rungs = [("numpy reference", lambda raw, a: NUMPY.matvec_q2_K_q8_K(raw, a)),
              ("D.2 portable", portable)]
-    if nm.Q2_K_SIMD is not None:
+    if q2_simd.Q2_K_SIMD is not None:
         rungs.append(("D.3 byte dots", byte_dots))
     return rungs
 
@@ -166,16 +181,16 @@ def f16_rungs(T: int) -> list:
     """(name, fn(raw, x) -> out) for an F16 matvec of T tokens."""
     def kernel_call(kernel):
         def f(raw, x):
-            o = nm._out(len(x), raw.shape[0])
-            nm.run_kernel(kernel, raw.view(np.uint16), x, nm.F16_TO_F32, o,
+            o = isa.new_out(len(x), raw.shape[0])
+            isa.run_kernel(kernel, raw.view(np.uint16), x, isa.F16_TO_F32, o,
                           rows=raw.shape[0], min_rows=1)
             return o
         return f
 
     rungs = [("numpy reference", lambda raw, x: NUMPY.matvec_f16(raw, x)),
-             ("D.2 portable", kernel_call(nm.f16_kernel))]
-    if nm.F16_SIMD is not None:
-        rungs.append(("D.10 vcvtph2ps", kernel_call(nm.F16_SIMD)))
+             ("D.2 portable", kernel_call(f16.f16_kernel))]
+    if f16.F16_SIMD is not None:
+        rungs.append(("D.10 vcvtph2ps", kernel_call(f16.F16_SIMD)))
     return rungs
 
 

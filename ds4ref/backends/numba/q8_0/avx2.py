@@ -10,13 +10,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba_simd import _fn
-from ds4ref.backends.numba_vnni import _addr, _splat, lanes_operands, sum4_blocks
-from ds4ref.backends.numba_kernels import _f16
-from ds4ref.backends.numba_simd import simd_kernels
-
-_i8, _i16, _i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-_f32, _vec = ir.FloatType(), ir.VectorType
+from ds4ref.backends.numba.isa import (F32, I8, I16, I32, VEC, f16_at, lanes_operands,
+                                       ir_addr, ir_fn, ir_splat, simd_kernels,
+                                       sum4_blocks)
 
 
 def _at_k(k):
@@ -24,13 +20,13 @@ def _at_k(k):
     return ir.Constant(ir.IntType(64), k)
 
 
-def _sign_dot(builder, w, x):
+def sign_dot(builder, w, x):
     """8 int32 lanes, lane j = sum_{i<4} w_4j+i x_4j+i for 32 int8 w, x (none of x
     -128): vpmaddubsw of |w| (unsigned, <= 128) by sign(w) x, then vpmaddwd by 1."""
-    b32, h16, v8 = _vec(_i8, 32), _vec(_i16, 16), _vec(_i32, 8)
-    psign = _fn(builder, "llvm.x86.avx2.psign.b", b32, [b32] * 2)
-    maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
-    maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
+    b32, h16, v8 = VEC(I8, 32), VEC(I16, 16), VEC(I32, 8)
+    psign = ir_fn(builder, "llvm.x86.avx2.psign.b", b32, [b32] * 2)
+    maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
+    maddwd = ir_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
     absw = builder.call(psign, [w, w])  # -128 -> 0x80: 128 read as unsigned
     pairs = builder.call(maddubs, [absw, builder.call(psign, [x, w])])
     return builder.call(maddwd, [pairs, ir.Constant(h16, [1] * 16)])
@@ -39,21 +35,21 @@ def _sign_dot(builder, w, x):
 def _q8_0_dot4_intrinsic():
     """An intrinsic (w_addr, w_step, x_addr, x_step) -> 4 int32: sum_i w_i x_i over
     the 32 int8 pairs at w_addr + k w_step and x_addr + k x_step, k = 0..3 (x never
-    -128); one block per 256-bit register (_sign_dot), the four blocks' lanes reduced
+    -128); one block per 256-bit register (sign_dot), the four blocks' lanes reduced
     together by a vphaddd tree.
     Mirrors ds4.c: dot_q8_0_row (l. 2958, its vdotq_s32 path)"""
 
     def codegen(context, builder, sig, args):
         w, w_step, x, x_step = args
-        b32, v8 = _vec(_i8, 32), _vec(_i32, 8)
-        hadd = _fn(builder, "llvm.x86.avx2.phadd.d", v8, [v8] * 2)
+        b32, v8 = VEC(I8, 32), VEC(I32, 8)
+        hadd = ir_fn(builder, "llvm.x86.avx2.phadd.d", v8, [v8] * 2)
         sums = []
         for k in range(4):  # block k: 8 lanes of 4 products
-            wk = builder.load(_addr(builder, w, builder.mul(w_step, _at_k(k)), b32),
+            wk = builder.load(ir_addr(builder, w, builder.mul(w_step, _at_k(k)), b32),
                               align=1)
-            xk = builder.load(_addr(builder, x, builder.mul(x_step, _at_k(k)), b32),
+            xk = builder.load(ir_addr(builder, x, builder.mul(x_step, _at_k(k)), b32),
                               align=1)
-            sums.append(_sign_dot(builder, wk, xk))
+            sums.append(sign_dot(builder, wk, xk))
         return context.make_tuple(builder, sig.return_type,
                                   sum4_blocks(builder, hadd, sums))
 
@@ -74,26 +70,26 @@ def _q8_0_lanes_intrinsic():
     = sum_i w_k,i x_l,i is row k's exact block dot with token l; w_k: its 32 weight
     bytes; d_k: its f16 d as float32; xs: the block's 256 repacked activation bytes
     (q8_0_avx2_lanes_operands); xd: 8 float32 scales; acc_k = acc + k acc_step: 8
-    float32. Four weight bytes broadcast to the 8 lanes, then _sign_dot.
+    float32. Four weight bytes broadcast to the 8 lanes, then sign_dot.
     Mirrors ds4.c: dot_q8_0_row (l. 2958, its vdotq_s32 path)"""
     R = Q8_0_AVX2_ROWS
 
     def codegen(context, builder, sig, args):
         ws, ds, (xs, xd, acc, acc_step) = args[:R], args[R:2 * R], args[2 * R:]
-        b32, v8, fv8 = _vec(_i8, 32), _vec(_i32, 8), _vec(_f32, 8)
+        b32, v8, fv8 = VEC(I8, 32), VEC(I32, 8), VEC(F32, 8)
         s = [ir.Constant(v8, [0] * 8)] * R
         for g in range(8):  # bytes 4g..4g+3 of the block, all 8 tokens
-            x = builder.load(_addr(builder, xs, 32 * g, b32), align=1)
+            x = builder.load(ir_addr(builder, xs, 32 * g, b32), align=1)
             for k in range(R):
-                wg = builder.load(_addr(builder, ws[k], 4 * g, _i32), align=1)
-                wb = builder.bitcast(_splat(builder, wg, _i32, 8), b32)
-                s[k] = builder.add(s[k], _sign_dot(builder, wb, x))
-        xdv = builder.load(_addr(builder, xd, 0, fv8), align=1)
+                wg = builder.load(ir_addr(builder, ws[k], 4 * g, I32), align=1)
+                wb = builder.bitcast(ir_splat(builder, wg, I32, 8), b32)
+                s[k] = builder.add(s[k], sign_dot(builder, wb, x))
+        xdv = builder.load(ir_addr(builder, xd, 0, fv8), align=1)
         for k in range(R):
             # as q8_0_kernel: (f16(d_w) * d_x) * float(s), then acc + that
-            term = builder.fmul(builder.fmul(_splat(builder, ds[k], _f32, 8), xdv),
+            term = builder.fmul(builder.fmul(ir_splat(builder, ds[k], F32, 8), xdv),
                                 builder.sitofp(s[k], fv8))
-            p = _addr(builder, acc, builder.mul(acc_step, _at_k(k)), fv8)
+            p = ir_addr(builder, acc, builder.mul(acc_step, _at_k(k)), fv8)
             builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
         return context.get_dummy_value()
 
@@ -120,7 +116,7 @@ def q8_0_avx2_lanes_operands(xq: np.ndarray, xd: np.ndarray):
 
 
 @njit(inline="always")
-def _q8_0_row_avx2(w, r, xq, xd, t, lut):
+def q8_0_row_avx2(w, r, xq, xd, t, lut):
     """Row r of w against token t, four blocks per intrinsic call; the float sum in
     block order as in q8_0_kernel."""
     nb = w.shape[1] // 34
@@ -130,14 +126,14 @@ def _q8_0_row_avx2(w, r, xq, xd, t, lut):
     b = 0
     while b + 4 <= nb:
         s0, s1, s2, s3 = _q8_0_dot4_avx2(wr + 34 * b, 34, xr + 32 * b, 32)
-        acc += (_f16(lut, w, r, 34 * b) * xd[t, b]) * np.float32(s0)
-        acc += (_f16(lut, w, r, 34 * b + 34) * xd[t, b + 1]) * np.float32(s1)
-        acc += (_f16(lut, w, r, 34 * b + 68) * xd[t, b + 2]) * np.float32(s2)
-        acc += (_f16(lut, w, r, 34 * b + 102) * xd[t, b + 3]) * np.float32(s3)
+        acc += (f16_at(lut, w, r, 34 * b) * xd[t, b]) * np.float32(s0)
+        acc += (f16_at(lut, w, r, 34 * b + 34) * xd[t, b + 1]) * np.float32(s1)
+        acc += (f16_at(lut, w, r, 34 * b + 68) * xd[t, b + 2]) * np.float32(s2)
+        acc += (f16_at(lut, w, r, 34 * b + 102) * xd[t, b + 3]) * np.float32(s3)
         b += 4
     while b < nb:  # the last nb % 4 blocks: steps 0, one block four times
         s = _q8_0_dot4_avx2(wr + 34 * b, 0, xr + 32 * b, 0)[0]
-        acc += (_f16(lut, w, r, 34 * b) * xd[t, b]) * np.float32(s)
+        acc += (f16_at(lut, w, r, 34 * b) * xd[t, b]) * np.float32(s)
         b += 1
     return acc
 
@@ -152,7 +148,7 @@ def q8_0_avx2_kernel(w, xq, xd, lut, out):
     Mirrors ds4.c: dot_q8_0_row (l. 2958)"""
     for r in prange(w.shape[0]):
         for t in range(xq.shape[0]):
-            out[t, r] = _q8_0_row_avx2(w, r, xq, xd, t, lut)
+            out[t, r] = q8_0_row_avx2(w, r, xq, xd, t, lut)
 
 
 @njit(parallel=True, cache=True)
@@ -174,8 +170,8 @@ def q8_0_avx2_lanes_kernel(w, xs, xd8, n_tok, lut, out):
         w3 = w.ctypes.data + r3 * w.strides[0] + 2
         for b in range(nb):
             o = 34 * b
-            d0, d1 = _f16(lut, w, r0, o), _f16(lut, w, r1, o)
-            d2, d3 = _f16(lut, w, r2, o), _f16(lut, w, r3, o)
+            d0, d1 = f16_at(lut, w, r0, o), f16_at(lut, w, r1, o)
+            d2, d3 = f16_at(lut, w, r2, o), f16_at(lut, w, r3, o)
             for k in range(tiles):
                 _q8_0_lanes_avx2(
                     w0 + o, w1 + o, w2 + o, w3 + o, d0, d1, d2, d3,

@@ -7,21 +7,12 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba_kernels import _f16
-from ds4ref.backends.numba_simd import (
-    _fn,
-    iq2_xxs_group_grid,
-    iq2_xxs_group_signs,
-    iq2_xxs_signs_scales,
-    simd_kernels,
-)
-from ds4ref.backends.numba_vnni import _addr, _splat, lanes_operands
-
-_i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_f32, _vec = ir.FloatType(), ir.VectorType
+from ds4ref.backends.numba.isa import (F32, I8, I16, I32, VEC, f16_at, lanes_operands,
+                                       ir_addr, ir_fn, ir_splat, simd_kernels)
+from ds4ref.backends.numba.iq2_xxs.avx2 import (iq2_xxs_group_grid, iq2_xxs_group_signs,
+                                                iq2_xxs_signs_scales)
 
 
 def _iq2_xxs_decode_intrinsic():
@@ -34,10 +25,10 @@ def _iq2_xxs_decode_intrinsic():
 
     def codegen(context, builder, sig, args):
         w, grid, q, sc = args
-        v8, b32, h16 = _vec(_i32, 8), _vec(_i8, 32), _vec(_i16, 16)
-        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
-        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
-        reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", _i32, [v8])
+        v8, b32, h16 = VEC(I32, 8), VEC(I8, 32), VEC(I16, 16)
+        maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
+        maddwd = ir_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
+        reduce = ir_fn(builder, "llvm.vector.reduce.add.v8i32", I32, [v8])
         ones = ir.Constant(b32, [1] * 32)  # unsigned 1 in every byte
         ss = iq2_xxs_signs_scales(builder, w)
         c = ir.Constant(v8, [0] * 8)
@@ -45,15 +36,15 @@ def _iq2_xxs_decode_intrinsic():
             mask, s16 = iq2_xxs_group_signs(builder, ss, g)
             grid_g = iq2_xxs_group_grid(builder, w, grid, g)
             qg = builder.sub(builder.xor(grid_g, mask), mask)  # -grid where -1
-            builder.store(qg, _addr(builder, q, 32 * g, b32), align=1)
+            builder.store(qg, ir_addr(builder, q, 32 * g, b32), align=1)
             # the scale as int32 (low half of an int16 pair)
-            pair = builder.extract_element(builder.bitcast(s16, v8), _i32(0))
-            scale = builder.and_(pair, ir.Constant(_i32, 0xFFFF))
-            builder.store(scale, _addr(builder, sc, 4 * g, _i32), align=1)
+            pair = builder.extract_element(builder.bitcast(s16, v8), I32(0))
+            scale = builder.and_(pair, ir.Constant(I32, 0xFFFF))
+            builder.store(scale, ir_addr(builder, sc, 4 * g, I32), align=1)
             # (2 s + 1) sum q: byte pairs q_e + q_e+1 (1 * q), then pairs times 2 s + 1
             pairs = builder.call(maddubs, [ones, qg])
             c = builder.add(c, builder.call(maddwd, [pairs, s16]))
-        return builder.mul(builder.call(reduce, [c]), ir.Constant(_i32, 128))
+        return builder.mul(builder.call(reduce, [c]), ir.Constant(I32, 128))
 
     def typer(typingctx, w_addr, grid_addr, q_addr, sc_addr):
         a = types.intp
@@ -75,48 +66,48 @@ def _iq2_xxs_lanes_intrinsic(kind: str):
     serves both rows.
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
     L = 8 if kind == "avx2" else 16
-    vi, vf, vb, vh = _vec(_i32, L), _vec(_f32, L), _vec(_i8, 4 * L), _vec(_i16, 2 * L)
+    vi, vf, vb, vh = VEC(I32, L), VEC(F32, L), VEC(I8, 4 * L), VEC(I16, 2 * L)
 
     def codegen(context, builder, sig, args):
         qg, sg, cg, dg, qu, su, cu, du, xu, yd, acc_g, acc_u = args
         if kind == "avx512vnni":
-            dpbusd = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", vi, [vi] * 3)
+            dpbusd = ir_fn(builder, "llvm.x86.avx512.vpdpbusd.512", vi, [vi] * 3)
         else:
             w = {"avx2": ("avx2.pmadd.ub.sw", "avx2.pmadd.wd"),
                  "avx512bw": ("avx512.pmaddubs.w.512", "avx512.pmaddw.d.512")}[kind]
-            maddubs = _fn(builder, "llvm.x86." + w[0], vh, [vb] * 2)
-            maddwd = _fn(builder, "llvm.x86." + w[1], vi, [vh] * 2)
+            maddubs = ir_fn(builder, "llvm.x86." + w[0], vh, [vb] * 2)
+            maddwd = ir_fn(builder, "llvm.x86." + w[1], vi, [vh] * 2)
         zero = ir.Constant(vi, [0] * L)
         rows = ((qg, sg, cg, dg, acc_g), (qu, su, cu, du, acc_u))
         bsum = [zero, zero]
         for g in range(8):
-            scale = [builder.load(_addr(builder, sc, 4 * g, _i32), align=1)
+            scale = [builder.load(ir_addr(builder, sc, 4 * g, I32), align=1)
                      for _, sc, *_ in rows]
             s = [zero, zero]
             for j in range(8):  # bytes 32g + 4j .. +3 of all L tokens
-                x = builder.load(_addr(builder, xu, 4 * L * (8 * g + j), vi), align=1)
+                x = builder.load(ir_addr(builder, xu, 4 * L * (8 * g + j), vi), align=1)
                 for k, (q, *_) in enumerate(rows):
-                    wq = builder.load(_addr(builder, q, 32 * g + 4 * j, _i32), align=1)
-                    wq = _splat(builder, wq, _i32, L)
+                    wq = builder.load(ir_addr(builder, q, 32 * g + 4 * j, I32), align=1)
+                    wq = ir_splat(builder, wq, I32, L)
                     if kind == "avx512vnni":  # s += 4 products per lane
                         s[k] = builder.call(dpbusd, [s[k], x, wq])
                         continue
                     # pairs (y+128) q <= 2 * 255 * 43: no saturation
                     pairs = builder.call(maddubs, [builder.bitcast(x, vb),
                                                    builder.bitcast(wq, vb)])
-                    sc16 = _splat(builder, builder.trunc(scale[k], _i16), _i16, 2 * L)
+                    sc16 = ir_splat(builder, builder.trunc(scale[k], I16), I16, 2 * L)
                     bsum[k] = builder.add(bsum[k], builder.call(maddwd, [pairs, sc16]))
             if kind == "avx512vnni":
                 for k in range(2):
                     bsum[k] = builder.add(bsum[k], builder.mul(
-                        s[k], _splat(builder, scale[k], _i32, L)))
-        ydv = builder.load(_addr(builder, yd, 0, vf), align=1)
+                        s[k], ir_splat(builder, scale[k], I32, L)))
+        ydv = builder.load(ir_addr(builder, yd, 0, vf), align=1)
         for k, (_, _, c, d, acc) in enumerate(rows):
-            exact = builder.sub(bsum[k], _splat(builder, c, _i32, L))
+            exact = builder.sub(bsum[k], ir_splat(builder, c, I32, L))
             # as _iq2_xxs_row: (f16(d) * d_y) * float(bsum), then acc + that
-            term = builder.fmul(builder.fmul(_splat(builder, d, _f32, L), ydv),
+            term = builder.fmul(builder.fmul(ir_splat(builder, d, F32, L), ydv),
                                 builder.sitofp(exact, vf))
-            p = _addr(builder, acc, 0, vf)
+            p = ir_addr(builder, acc, 0, vf)
             builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
         return context.get_dummy_value()
 
@@ -151,7 +142,7 @@ def _iq2_xxs_decode_row(w, r, ga, q, sc, c, d, k, lut):
     qa, sa = q.ctypes.data + 256 * nb * k, sc.ctypes.data + 32 * nb * k
     for b in range(nb):
         c[k, b] = _iq2_xxs_decode(wr + 66 * b + 2, ga, qa + 256 * b, sa + 32 * b)
-        d[k, b] = _f16(lut, w, r, 66 * b)
+        d[k, b] = f16_at(lut, w, r, 66 * b)
 
 
 # rows per task of the lanes kernels: their scratch is allocated once per task
@@ -263,20 +254,20 @@ def _iq2_xxs_token_dot_intrinsic():
     and 256 unsigned activation bytes x = y + 128; with AVX2, one vpmaddubsw and one
     vpmaddwd by the group scale per group of 32.
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_q8_K (l. 1889, its sum over a block)"""
-    b32, h16, v8 = _vec(_i8, 32), _vec(_i16, 16), _vec(_i32, 8)
+    b32, h16, v8 = VEC(I8, 32), VEC(I16, 16), VEC(I32, 8)
 
     def codegen(context, builder, sig, args):
         q, sc, x = args
-        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
-        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
-        reduce = _fn(builder, "llvm.vector.reduce.add.v8i32", _i32, [v8])
+        maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", h16, [b32] * 2)
+        maddwd = ir_fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [h16] * 2)
+        reduce = ir_fn(builder, "llvm.vector.reduce.add.v8i32", I32, [v8])
         acc = ir.Constant(v8, [0] * 8)
         for g in range(8):
             pairs = builder.call(maddubs, [
-                builder.load(_addr(builder, x, 32 * g, b32), align=1),
-                builder.load(_addr(builder, q, 32 * g, b32), align=1)])
-            scale = builder.load(_addr(builder, sc, 4 * g, _i32), align=4)
-            s16 = _splat(builder, builder.trunc(scale, _i16), _i16, 16)
+                builder.load(ir_addr(builder, x, 32 * g, b32), align=1),
+                builder.load(ir_addr(builder, q, 32 * g, b32), align=1)])
+            scale = builder.load(ir_addr(builder, sc, 4 * g, I32), align=4)
+            s16 = ir_splat(builder, builder.trunc(scale, I16), I16, 16)
             acc = builder.add(acc, builder.call(maddwd, [pairs, s16]))
         return builder.call(reduce, [acc])
 
@@ -340,3 +331,35 @@ def iq2_xxs_tokens_operand(yq: np.ndarray) -> np.ndarray:
 
 # the few-token kernel and what it needs; None: the one-token kernels only
 IQ2_XXS_TOKENS = (simd_kernels(((iq2_xxs_pair_tokens_kernel, "avx2"),)) or [None])[0]
+
+
+# a prefill's routed experts in one parallel loop per pass (D.12): pairs sorted by
+# expert, tasks of (expert, 16 rows)
+
+@njit(parallel=True, cache=True)
+def experts_gate_up_batch_kernel(wg, wu, rows, experts, starts, stops, pairs, k, xu,
+                                 yd, grid, lut, gate, up):
+    """gate, up [T k, rows]: row r of expert e = experts[j]'s gate/up (rows e rows + r
+    of wg, wu, uint8 [n_expert rows, row_bytes]) against token p // k of xu (y + 128,
+    uint8 [T, n]; yd its scales) for each pair p of pairs[starts[j]:stops[j]]; tasks of
+    (expert, 16 rows), each row decoded once (D.9).
+    Mirrors ds4.c: layer_routed_moe_batch (l. 5509), its gate/up pass"""
+    ga = grid.ctypes.data
+    tiles = -(-rows // IQ2_XXS_LANES_ROWS)
+    for task in prange(experts.shape[0] * tiles):
+        j, tile = task // tiles, task % tiles
+        q, sc, c, d = _iq2_xxs_scratch(wg.shape[1] // 66)
+        r0 = tile * IQ2_XXS_LANES_ROWS
+        for r in range(r0, min(r0 + IQ2_XXS_LANES_ROWS, rows)):
+            row = experts[j] * rows + r
+            _iq2_xxs_decode_row(wg, row, ga, q, sc, c, d, 0, lut)
+            _iq2_xxs_decode_row(wu, row, ga, q, sc, c, d, 1, lut)
+            for i in range(starts[j], stops[j]):
+                p = pairs[i]
+                g, u = _iq2_xxs_decoded_dots(q, sc, c, d, xu, yd, p // k)
+                gate[p, r], up[p, r] = g, u
+
+
+# the kernel this CPU runs (None: the backend composes the per-expert matvecs)
+EXPERTS_GATE_UP_BATCH = (simd_kernels(((experts_gate_up_batch_kernel, "avx2"),))
+                         or [None])[0]

@@ -9,12 +9,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba_q8avx2 import _q8_0_row_avx2, _sign_dot
-from ds4ref.backends.numba_simd import _fn, simd_kernels
-from ds4ref.backends.numba_vnni import _addr, _q8_0_row_vnni, _splat
-
-_i16, _i32, _i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_f32, _vec = ir.FloatType(), ir.VectorType
+from ds4ref.backends.numba.isa import (F32, I16, I32, I64, VEC, ir_addr, ir_fn,
+                                       ir_splat, simd_kernels)
+from ds4ref.backends.numba.q8_0.avx2 import q8_0_row_avx2, sign_dot
+from ds4ref.backends.numba.q8_0.vnni import q8_0_row_vnni
 
 
 def pair_sums(builder, a, b):
@@ -22,7 +20,7 @@ def pair_sums(builder, a, b):
     whose lanes come in runs of one row each -> one register, runs half as long, a's
     rows then b's."""
     n = a.type.count
-    pick = [ir.Constant(_vec(_i32, n), list(range(k, 2 * n, 2))) for k in (0, 1)]
+    pick = [ir.Constant(VEC(I32, n), list(range(k, 2 * n, 2))) for k in (0, 1)]
     return builder.add(*(builder.shuffle_vector(a, b, p) for p in pick))
 
 
@@ -38,24 +36,24 @@ def rows_reduce(builder, regs):
 def _block_sums(builder, kind, row, x, xc):
     """int32 [R]: lane j = the exact dot of the 32 weight bytes at row[j] with the 32
     activation bytes at x (xc = 128 sum x, for the VNNI form's offset)."""
-    v8, v16, b32 = _vec(_i32, 8), _vec(_i32, 16), _vec(ir.IntType(8), 32)
+    v8, v16, b32 = VEC(I32, 8), VEC(I32, 16), VEC(ir.IntType(8), 32)
     if kind == "avx2":  # |w| times sign(w) x: no pair saturates int16 (x has no -128)
-        xv = builder.load(_addr(builder, x, 0, b32), align=1)
-        return rows_reduce(builder, [_sign_dot(builder, builder.load(
-            _addr(builder, r, 0, b32), align=1), xv) for r in row])
-    dpbusd = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
-    xv = builder.load(_addr(builder, x, 0, v8), align=1)
+        xv = builder.load(ir_addr(builder, x, 0, b32), align=1)
+        return rows_reduce(builder, [sign_dot(builder, builder.load(
+            ir_addr(builder, r, 0, b32), align=1), xv) for r in row])
+    dpbusd = ir_fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16] * 3)
+    xv = builder.load(ir_addr(builder, x, 0, v8), align=1)
     xv = builder.shuffle_vector(xv, xv, ir.Constant(v16, list(range(8)) * 2))
     # vpdpbusd wants one unsigned operand: w + 128, then 128 sum x subtracted
     flip = ir.Constant(v16, [-0x7F7F7F80] * 16)
     parts = []
     for j in range(0, len(row), 2):  # rows j, j + 1 in one 512-bit register
-        lo, hi = (builder.load(_addr(builder, row[j + k], 0, v8), align=1)
+        lo, hi = (builder.load(ir_addr(builder, row[j + k], 0, v8), align=1)
                   for k in (0, 1))
         w = builder.shuffle_vector(lo, hi, ir.Constant(v16, list(range(16))))
         parts.append(builder.call(dpbusd, [ir.Constant(v16, [0] * 16),
                                            builder.xor(w, flip), xv]))
-    return builder.sub(rows_reduce(builder, parts), _splat(builder, xc, _i32, 16))
+    return builder.sub(rows_reduce(builder, parts), ir_splat(builder, xc, I32, 16))
 
 
 def _q8_0_rows_intrinsic(kind: str, blocks: int):
@@ -67,27 +65,27 @@ def _q8_0_rows_intrinsic(kind: str, blocks: int):
     xd: int32 / float32 per block (xc = 128 sum x, VNNI only); acc: R float32.
     Mirrors ds4.c: dot_q8_0_row (l. 2958), R rows side by side"""
     R = 16 if kind == "avx512vnni" else 8
-    fv, hv = _vec(_f32, R), _vec(ir.HalfType(), R)
+    fv, hv = VEC(F32, R), VEC(ir.HalfType(), R)
 
     def codegen(context, builder, sig, args):
         w, stride, x, xc, xd, acc = args
-        p = _addr(builder, acc, 0, fv)
+        p = ir_addr(builder, acc, 0, fv)
         accv = builder.load(p, align=4)
         for b in range(blocks):
-            row = [builder.add(w, builder.add(builder.mul(stride, ir.Constant(_i64, j)),
-                                              ir.Constant(_i64, 34 * b)))
+            row = [builder.add(w, builder.add(builder.mul(stride, ir.Constant(I64, j)),
+                                              ir.Constant(I64, 34 * b)))
                    for j in range(R)]
-            xcb = builder.load(_addr(builder, xc, 4 * b, _i32), align=4)
-            xb = builder.add(x, ir.Constant(_i64, 32 * b))
+            xcb = builder.load(ir_addr(builder, xc, 4 * b, I32), align=4)
+            xb = builder.add(x, ir.Constant(I64, 32 * b))
             s = _block_sums(builder, kind, row, xb, xcb)
-            dv = ir.Constant(_vec(_i16, R), None)  # the R blocks' f16 d
+            dv = ir.Constant(VEC(I16, R), None)  # the R blocks' f16 d
             for j in range(R):
-                h = builder.load(_addr(builder, row[j], -2, _i16), align=1)
-                dv = builder.insert_element(dv, h, ir.Constant(_i32, j))
+                h = builder.load(ir_addr(builder, row[j], -2, I16), align=1)
+                dv = builder.insert_element(dv, h, ir.Constant(I32, j))
             d = builder.fpext(builder.bitcast(dv, hv), fv)
-            xdb = builder.load(_addr(builder, xd, 4 * b, _f32), align=4)
+            xdb = builder.load(ir_addr(builder, xd, 4 * b, F32), align=4)
             # as q8_0_kernel: (f16(d_w) * d_x) * float(s), then acc + that
-            term = builder.fmul(builder.fmul(d, _splat(builder, xdb, _f32, R)),
+            term = builder.fmul(builder.fmul(d, ir_splat(builder, xdb, F32, R)),
                                 builder.sitofp(s, fv))
             accv = builder.fadd(accv, term)
         builder.store(accv, p, align=4)
@@ -110,9 +108,9 @@ def _prefetch(typingctx, addr):
     no result): llvm.prefetch, read, high locality."""
     def codegen(context, builder, sig, args):
         i8p = ir.IntType(8).as_pointer()
-        fn = _fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p] + [_i32] * 3)
+        fn = ir_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p] + [I32] * 3)
         builder.call(fn, [builder.inttoptr(args[0], i8p)] +
-                     [ir.Constant(_i32, v) for v in (0, 3, 1)])
+                     [ir.Constant(I32, v) for v in (0, 3, 1)])
         return context.get_dummy_value()
     return types.void(types.intp), codegen
 
@@ -165,7 +163,7 @@ def q8_0_rows_vnni_kernel(w, xq, xd, xc, lut, out):
         _q8_0_rows(_rows_vnni_1, _rows_vnni_4, 16, w, tile, xq, xd, xc, acc, out, False)
     for r in range(rows - rows % 16, rows):
         for t in range(xq.shape[0]):
-            out[t, r] = _q8_0_row_vnni(w, r, xq, xd, xc, t, lut)
+            out[t, r] = q8_0_row_vnni(w, r, xq, xd, xc, t, lut)
 
 
 @njit(parallel=True, cache=True)
@@ -180,7 +178,7 @@ def q8_0_rows_avx2_kernel(w, xq, xd, xc, lut, out):
         _q8_0_rows(_rows_avx2_1, _rows_avx2_4, 8, w, tile, xq, xd, xc, acc, out, False)
     for r in range(rows - rows % 8, rows):
         for t in range(xq.shape[0]):
-            out[t, r] = _q8_0_row_avx2(w, r, xq, xd, t, lut)
+            out[t, r] = q8_0_row_avx2(w, r, xq, xd, t, lut)
 
 
 @njit(parallel=True, cache=True)

@@ -10,40 +10,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ds4ref.backends.numba_kernels import _f16
-from ds4ref.backends.numba_simd import simd_kernels
-
-i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-vec = ir.VectorType
-
-
-def _addr(builder, addr, offset, t):
-    """A t* to byte address addr + offset (addr an intp value; offset an int or an i64
-    value)."""
-    if isinstance(offset, int):
-        offset = ir.Constant(i64, offset)
-    return builder.inttoptr(builder.add(addr, offset), t.as_pointer())
-
-
-def _splat(builder, v, t, count):
-    """The scalar v of type t in every lane of a `count`-lane vector."""
-    one = builder.insert_element(
-        ir.Constant(vec(t, count), None), v, ir.Constant(i32, 0)
-    )
-    return builder.shuffle_vector(one, one, ir.Constant(vec(i32, count), [0] * count))
-
-
-def sum4_blocks(builder, hadd, sums):
-    """Four int32 [8] registers of partial sums (blocks a, b, c, d) -> their four
-    totals, as i32 values: two levels of vphaddd (`hadd`) give [a01 a23 b01 b23 |
-    a45 a67 b45 b67] and then [a b c d | a b c d] partial sums; one add of the two
-    halves."""
-    abcd = builder.call(hadd, [builder.call(hadd, sums[:2]),
-                               builder.call(hadd, sums[2:])])
-    half = [builder.shuffle_vector(abcd, abcd, ir.Constant(vec(i32, 4), list(ks)))
-            for ks in (range(4), range(4, 8))]
-    s = builder.add(*half)
-    return [builder.extract_element(s, ir.Constant(i32, k)) for k in range(4)]
+from ds4ref.backends.numba.isa import (F32, I8, I32, I64, VEC, f16_at, lanes_operands,
+                                       ir_addr, ir_splat, simd_kernels, sum4_blocks)
 
 
 def _q8_0_dot4_intrinsic():
@@ -56,7 +24,7 @@ def _q8_0_dot4_intrinsic():
     def codegen(context, builder, sig, args):
         w, w_step, x, x_step = args
         mod = builder.module
-        v8 = vec(i32, 8)
+        v8 = VEC(I32, 8)
         dpbusd = cgutils.get_or_insert_function(
             mod, ir.FunctionType(v8, [v8] * 3), "llvm.x86.avx512.vpdpbusd.256"
         )
@@ -66,10 +34,10 @@ def _q8_0_dot4_intrinsic():
         flip = ir.Constant(v8, [-0x7F7F7F80] * 8)  # 0x80808080: w + 128 as unsigned
         sums = []
         for k in range(4):
-            at = ir.Constant(i64, k)
-            wk = builder.load(_addr(builder, builder.add(w, builder.mul(w_step, at)),
+            at = ir.Constant(I64, k)
+            wk = builder.load(ir_addr(builder, builder.add(w, builder.mul(w_step, at)),
                                     0, v8), align=1)
-            xk = builder.load(_addr(builder, builder.add(x, builder.mul(x_step, at)),
+            xk = builder.load(ir_addr(builder, builder.add(x, builder.mul(x_step, at)),
                                     0, v8), align=1)
             sums.append(builder.call(
                 dpbusd, [ir.Constant(v8, [0] * 8), builder.xor(wk, flip), xk]
@@ -90,12 +58,12 @@ def _block_sum_intrinsic():
     Mirrors ds4.c: nothing (the lanes kernel's correction, 128 sum w)"""
 
     def codegen(context, builder, sig, args):
-        v = builder.load(_addr(builder, args[0], 0, vec(i8, 32)), align=1)
+        v = builder.load(ir_addr(builder, args[0], 0, VEC(I8, 32)), align=1)
         add = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(i32, [vec(i32, 32)]),
+            builder.module, ir.FunctionType(I32, [VEC(I32, 32)]),
             "llvm.vector.reduce.add.v32i32",
         )
-        return builder.call(add, [builder.sext(v, vec(i32, 32))])
+        return builder.call(add, [builder.sext(v, VEC(I32, 32))])
 
     def typer(typingctx, w_addr):
         return types.int32(types.intp), codegen
@@ -114,24 +82,25 @@ def _q8_0_lanes_intrinsic():
 
     def codegen(context, builder, sig, args):
         w0, w1, c0, c1, d0, d1, xu, xd, acc0, acc1 = args
-        v16, fv16 = vec(i32, 16), vec(f32, 16)
+        v16, fv16 = VEC(I32, 16), VEC(F32, 16)
         dpbusd = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(v16, [v16] * 3),
             "llvm.x86.avx512.vpdpbusd.512",
         )
         # group g: bytes 4g..4g+3 of the block for each of the 16 tokens
-        xg = [builder.load(_addr(builder, xu, 64 * g, v16), align=1) for g in range(8)]
-        xdv = builder.load(_addr(builder, xd, 0, fv16), align=1)
+        xg = [builder.load(ir_addr(builder, xu, 64 * g, v16), align=1)
+              for g in range(8)]
+        xdv = builder.load(ir_addr(builder, xd, 0, fv16), align=1)
         for w, c, d, acc in ((w0, c0, d0, acc0), (w1, c1, d1, acc1)):
             s = ir.Constant(v16, [0] * 16)
             for g in range(8):
-                wg = builder.load(_addr(builder, w, 4 * g, i32), align=1)
-                s = builder.call(dpbusd, [s, xg[g], _splat(builder, wg, i32, 16)])
-            s = builder.sub(s, _splat(builder, c, i32, 16))
+                wg = builder.load(ir_addr(builder, w, 4 * g, I32), align=1)
+                s = builder.call(dpbusd, [s, xg[g], ir_splat(builder, wg, I32, 16)])
+            s = builder.sub(s, ir_splat(builder, c, I32, 16))
             # as q8_0_kernel: (f16(d_w) * d_x) * float(s), then acc + that
-            term = builder.fmul(builder.fmul(_splat(builder, d, f32, 16), xdv),
+            term = builder.fmul(builder.fmul(ir_splat(builder, d, F32, 16), xdv),
                                 builder.sitofp(s, fv16))
-            p = _addr(builder, acc, 0, fv16)
+            p = ir_addr(builder, acc, 0, fv16)
             builder.store(builder.fadd(builder.load(p, align=1), term), p, align=1)
         return context.get_dummy_value()
 
@@ -163,29 +132,8 @@ def q8_0_lanes_operands(xq: np.ndarray, xd: np.ndarray):
     return lanes_operands(xq, xd, Q8_0_LANES, 32, biased=True)
 
 
-def lanes_operands(q: np.ndarray, d: np.ndarray, lanes: int, block: int, biased: bool):
-    """The token-lanes layout of every lanes kernel (D.5, D.6, D.8): int8 codes q [T, n]
-    with per-block scales d float32 [T, n/block] -> (bytes [tiles, n/block, block/4,
-    lanes, 4], scales float32 [tiles, n/block, lanes]), tiles = ceil(T / lanes); token
-    l of a tile in lane l, bytes 4g..4g+3 of block b at [tile, b, g, l]. biased: the
-    bytes are uint8 q + 128 (the top bit flipped), else int8 q; padding tokens are
-    q = 0, d = 0.
-    Mirrors ds4.c: nothing (ds4.c dots one token at a time)"""
-    T, n = q.shape
-    nb, tiles = n // block, -(-T // lanes)
-    flip = np.uint8(0x80 if biased else 0)
-    xp = np.full((tiles * lanes, n), flip, np.uint8)
-    xp[:T] = q.view(np.uint8) ^ flip
-    xs = xp.view(np.uint32).reshape(tiles, lanes, nb, block // 4).transpose(0, 2, 3, 1)
-    dp = np.zeros((tiles * lanes, nb), np.float32)
-    dp[:T] = d
-    dl = np.ascontiguousarray(dp.reshape(tiles, lanes, nb).transpose(0, 2, 1))
-    xs = np.ascontiguousarray(xs).view(np.uint8 if biased else np.int8)
-    return xs.reshape(tiles, nb, block // 4, lanes, 4), dl
-
-
 @njit(inline="always")
-def _q8_0_row_vnni(w, r, xq, xd, xc, t, lut):
+def q8_0_row_vnni(w, r, xq, xd, xc, t, lut):
     """Row r of w against token t (xc int32 [T, n/32]: 128 x's block sums), four blocks
     per VNNI call; the float sum in block order as in q8_0_kernel."""
     nb = w.shape[1] // 34
@@ -197,14 +145,15 @@ def _q8_0_row_vnni(w, r, xq, xd, xc, t, lut):
         s0, s1, s2, s3 = _q8_0_dot4_vnni(wr + 34 * b, 34, xr + 32 * b, 32)
         s0, s1 = np.int32(s0 - xc[t, b]), np.int32(s1 - xc[t, b + 1])
         s2, s3 = np.int32(s2 - xc[t, b + 2]), np.int32(s3 - xc[t, b + 3])
-        acc += (_f16(lut, w, r, 34 * b) * xd[t, b]) * np.float32(s0)
-        acc += (_f16(lut, w, r, 34 * b + 34) * xd[t, b + 1]) * np.float32(s1)
-        acc += (_f16(lut, w, r, 34 * b + 68) * xd[t, b + 2]) * np.float32(s2)
-        acc += (_f16(lut, w, r, 34 * b + 102) * xd[t, b + 3]) * np.float32(s3)
+        acc += (f16_at(lut, w, r, 34 * b) * xd[t, b]) * np.float32(s0)
+        acc += (f16_at(lut, w, r, 34 * b + 34) * xd[t, b + 1]) * np.float32(s1)
+        acc += (f16_at(lut, w, r, 34 * b + 68) * xd[t, b + 2]) * np.float32(s2)
+        acc += (f16_at(lut, w, r, 34 * b + 102) * xd[t, b + 3]) * np.float32(s3)
         b += 4
     while b < nb:  # the last nb % 4 blocks: steps 0, one block four times
         s = _q8_0_dot4_vnni(wr + 34 * b, 0, xr + 32 * b, 0)[0]
-        acc += (_f16(lut, w, r, 34 * b) * xd[t, b]) * np.float32(np.int32(s - xc[t, b]))
+        acc += ((f16_at(lut, w, r, 34 * b) * xd[t, b])
+                * np.float32(np.int32(s - xc[t, b])))
         b += 1
     return acc
 
@@ -219,7 +168,7 @@ def q8_0_vnni_kernel(w, xq, xd, xc, lut, out):
     Mirrors ds4.c: dot_q8_0_row (l. 2958)"""
     for r in prange(w.shape[0]):
         for t in range(xq.shape[0]):
-            out[t, r] = _q8_0_row_vnni(w, r, xq, xd, xc, t, lut)
+            out[t, r] = q8_0_row_vnni(w, r, xq, xd, xc, t, lut)
 
 
 @njit(parallel=True, cache=True)
@@ -238,7 +187,7 @@ def q8_0_vnni_lanes_kernel(w, xu, xd16, n_tok, lut, out):
         for b in range(nb):
             c0 = np.int32(128) * _block_sum_32(w0 + 34 * b)
             c1 = np.int32(128) * _block_sum_32(w1 + 34 * b)
-            d0, d1 = _f16(lut, w, r0, 34 * b), _f16(lut, w, r1, 34 * b)
+            d0, d1 = f16_at(lut, w, r0, 34 * b), f16_at(lut, w, r1, 34 * b)
             for k in range(tiles):
                 _q8_0_lanes_vnni(
                     w0 + 34 * b, w1 + 34 * b, c0, c1, d0, d1,
