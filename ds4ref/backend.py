@@ -34,6 +34,7 @@ from ds4ref.ops import (MoEError, attention_rows, embed_rows, experts_down,
 from ds4ref.quant import (F16, F32, IQ2_XXS, Q2_K, Q4_K, Q8_0, TYPES, Q8Act,
                           quantize_q8_0, quantize_q8_K)
 from ds4ref.rope import rope_tail
+from ds4ref import hc
 
 
 class BackendError(DS4RefError, ValueError):
@@ -78,7 +79,7 @@ KERNELS = (
 # exact helpers (integer codes, table roundings, a row read): numpy's serve every
 # host backend and strict mode never refuses them; a device backend runs its own
 GLUE = ("embed", "quantize_q8_0", "quantize_q8_K", "fp8_kv", "indexer_qat", "rope",
-        "topk")
+        "hc_split_sinkhorn", "topk")
 # where the model's arrays and weights live: its array library, a weight as the kernels
 # read it, the crossings between host and device, and a lazy library's compute point
 PLACEMENT = ("xp", "place", "place_layer", "upload", "download", "evaluate")
@@ -284,6 +285,13 @@ class NumpyBackend:
         layer of compress ratio `ratio`): chapter 5's rope_tail.
         Mirrors ds4.c: rope_tail_layer_inplace (l. 4830)"""
         return rope_tail(x, pos, cfg, ratio, inverse)
+
+    def hc_split_sinkhorn(self, mix, scale, base, n_hc: int, iters: int, eps: float):
+        """HC's pre, post and Sinkhorn-normalised comb from the mix [..., 24]: chapter
+        4's hc_split_sinkhorn (looked up in its module at each call, so that a
+        rewritten one is the one that runs).
+        Mirrors ds4.c: hc_split_sinkhorn_one (l. 4258)"""
+        return hc.hc_split_sinkhorn(mix, scale, base, n_hc, iters, eps)
 
     # -- placing weights: numpy reads them where they lie in the file -----------------
     def place(self, t):

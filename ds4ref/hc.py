@@ -99,7 +99,8 @@ def hc_pre(X, fn, scale, base, cfg, be):
 
     Mirrors ds4.c: hc_pre_from_state_one_scratch (l. 4356)"""
     X = _check_hc_state(X, cfg, "hc_pre")
-    pre, post, comb = hc_split_sinkhorn(
+    # the split is glue on the backend: forty small numpy steps per call otherwise
+    pre, post, comb = be.hc_split_sinkhorn(
         hc_mix(X, fn, cfg, be), scale, base, cfg.n_hc, cfg.hc_sinkhorn_iter, cfg.hc_eps
     )
     return hc_weighted_sum(X, pre), post, comb

@@ -251,3 +251,42 @@ def test_hc_errors_name_the_problem(model):
         hc_split_sinkhorn(np.ones(24, np.float32), scale, base, iters=0)
     with pytest.raises(ValueError, match="hc_post"):
         hc_post(np.ones(255, np.float32), np.ones((4, 256), np.float32), np.ones(4), np.ones((4, 4)))
+
+
+# ---------------------------------------------------------------- the split as backend glue
+
+def test_numba_sinkhorn_split_gives_numpys_bits(ops_A, model):
+    """be.hc_split_sinkhorn on numba (numpy's first pass, 19 rounds in a numba loop) equals chapter 4's function bit
+    for bit: every recorded mix of case A, a batch of them, and random mixes up to where exp overflows; hc_pre on
+    both backends agrees bit for bit too. Independent of appendix D's check, which runs the same comparison on
+    other inputs."""
+    from ds4ref.backends import get_backend
+    numba = get_backend("numba")
+    cfg, W = model
+    keys = [k for k in ops_A.files if k.startswith("L") and k.endswith((".attn_hc_mix", ".ffn_hc_mix"))]
+    assert len(keys) >= 2 * cfg.n_layer
+    rng = np.random.default_rng(11)
+    cases = [(ops_A[k], W.layers[int(k[1:k.index(".")])], k.rsplit(".", 1)[1][:-len("_hc_mix")]) for k in keys]
+    cases += [(np.stack([ops_A[k].reshape(-1) for k in keys[:5]]), W.layers[0], "ffn")]
+    cases += [(rng.standard_normal((2, 3, 24)).astype(np.float32) * f, W.layers[1], "attn") for f in (0.01, 3.0, 300.0)]
+    with np.errstate(over="ignore"):
+        for mix, lw, s in cases:
+            args = (mix, getattr(lw, f"hc_{s}_scale"), getattr(lw, f"hc_{s}_base"), cfg.n_hc, cfg.hc_sinkhorn_iter,
+                    cfg.hc_eps)
+            want, got = hc_split_sinkhorn(*args), numba.hc_split_sinkhorn(*args)
+            assert all(g.dtype == np.float32 and g.shape == w.shape and np.array_equal(g, w) for g, w in zip(got, want))
+    assert numba.hc_split_sinkhorn is not NUMPY.hc_split_sinkhorn
+    calls = []
+
+    class Counting(type(NUMPY)):               # hc_pre splits through its backend
+        def hc_split_sinkhorn(self, mix, scale, base, n_hc, iters, eps):
+            calls.append((mix.shape, n_hc, iters, eps))
+            return super().hc_split_sinkhorn(mix, scale, base, n_hc, iters, eps)
+    X = rng.standard_normal((3, cfg.n_hc, cfg.n_embd)).astype(np.float32)
+    lw = W.layers[2]
+    got = hc_pre(X, lw.hc_attn_fn, lw.hc_attn_scale, lw.hc_attn_base, cfg, Counting())
+    want = hc_pre(X, lw.hc_attn_fn, lw.hc_attn_scale, lw.hc_attn_base, cfg, NUMPY)
+    assert calls == [((3, 2 * cfg.n_hc + cfg.n_hc ** 2), cfg.n_hc, cfg.hc_sinkhorn_iter, cfg.hc_eps)]
+    assert all(np.array_equal(u, v) for u, v in zip(got, want))
+    with pytest.raises(ValueError, match="iters must be >= 1"):
+        numba.hc_split_sinkhorn(cases[0][0], W.layers[0].hc_attn_scale, W.layers[0].hc_attn_base, cfg.n_hc, 0, cfg.hc_eps)
