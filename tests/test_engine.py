@@ -253,6 +253,26 @@ def test_appendix_a_recorded_replays_stand_where_a_fresh_replay_stands(case, pat
     rebuilds.check(case, path, golden, distance_to_golden(rows, golden, path, ids))
 
 
+@pytest.mark.parametrize("forced", [False, True])
+def test_appendix_a_recorded_shadow_decisions_stand_where_fresh_ones_stand(forced, runs_A, golden_A,
+                                                                          rebuilds, oracle_dir):
+    """Appendix A.5's decision figure reads case A batch's shadow decisions (free, and with ds4's
+    forced) from book/results/oracle_ds4ref.npz: the record covers the layers and positions a fresh
+    traced replay decides, and both stand within the decision yardstick, experts and indexer."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    from oracle_rows import shadow_decided
+    rec = shadow_decided(np.load(RECORDED))[forced]
+    fresh = runs_A["batch", forced]["decisions"]
+    idx = Rebuilds(oracle_dir, "rebuilds_indexer")
+    for kind, rb in (("experts", rebuilds), ("indexer", idx)):
+        assert sorted(rec[kind]) == sorted(fresh[kind])
+        assert all(rec[kind][il].shape == fresh[kind][il].shape for il in rec[kind])
+        for d in (rec, fresh):
+            claims = check_decisions(rb, "A", "batch", golden_A, stacked(d, kind), kind)
+            assert set(claims) == set(EXPERT_MEASURES if kind == "experts" else INDEXER_MEASURES)
+
+
 @pytest.mark.parametrize("case", ["A", "C"])
 @pytest.mark.parametrize("path", ["batch", "stream"])
 def test_expert_decisions_within_the_rebuild_yardstick(case, path, request, engine, rebuilds):

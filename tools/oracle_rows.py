@@ -4,7 +4,9 @@ For each case of data/oracle/rebuilds.json (A, C, bundled, trained) and both pat
 reference replays ds4.c's golden prompt and steps with its own decisions, and the per-row
 agreement with the golden logits is written in rebuilds.npz's layout, under the variant name
 "ds4ref": `{case}.{path}.ds4ref.{corr,mean_abs,max_abs,argmax,expert_ids}`, with the machine
-and commit in a JSON beside it. The digits are this machine's (rounding chaos moves them with
+and commit in a JSON beside it. Case A's batch path also gives the shadow decisions (the experts
+and indexer rows ds4ref's own logic picks from a traced run, free and with ds4's decisions
+forced): `A.batch.shadow.{free,forced}.{experts,indexer}.{il}`. The digits are this machine's (rounding chaos moves them with
 the BLAS kernel); tests/test_engine.py replays the same runs and holds both the fresh rows
 and these to the rebuild yardstick.
 
@@ -48,6 +50,31 @@ def replay_rows(engine, golden, path: str) -> dict:
     return out
 
 
+def shadow_arrays(engine, golden) -> dict:
+    """Case A batch's shadow decisions, free and forced, as flat arrays."""
+    from ds4ref.dev.oracle import SHADOW_TRACE, replay_golden, shadow_decisions
+    from ds4ref.trace import Trace
+    out = {}
+    for forced in (False, True):
+        tr = Trace(names=SHADOW_TRACE)
+        replay_golden(engine, golden, "batch", forced=forced, trace=tr)
+        got = shadow_decisions(engine.cfg, engine.weights, tr)
+        for kind in ("experts", "indexer"):
+            for il, v in got[kind].items():
+                out[f"A.batch.shadow.{'forced' if forced else 'free'}.{kind}.{il}"] = v
+    return out
+
+
+def shadow_decided(recorded) -> dict:
+    """{forced: {"experts": {il: ids}, "indexer": {il: rows}}} back from shadow_arrays."""
+    out = {False: {"experts": {}, "indexer": {}}, True: {"experts": {}, "indexer": {}}}
+    for k in recorded.files:
+        if k.startswith("A.batch.shadow."):
+            how, kind, il = k.split(".")[3:]
+            out[how == "forced"][kind][int(il)] = recorded[k]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "book/results/oracle_ds4ref.npz"))
@@ -63,6 +90,8 @@ def main(argv=None) -> int:
             for k, v in replay_rows(engine, golden, path).items():
                 arrays[f"{case}.{path}.{VARIANT}.{k}"] = v
             print(case, path, "done", flush=True)
+        if case == "A":
+            arrays.update(shadow_arrays(engine, golden))
     out = Path(args.out)
     np.savez_compressed(out, **arrays)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
