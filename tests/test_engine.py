@@ -225,6 +225,54 @@ def test_as_close_to_ds4c_as_ds4c_rebuilt_with_other_flags(case, path, backend, 
     rebuilds.check(case, path, golden, ours)
 
 
+RECORDED = ROOT / "book/results/oracle_ds4ref.npz"     # appendix A.5 reads it (tools/oracle_rows.py)
+
+
+@pytest.mark.parametrize("case", list(REBUILD_CASES))
+@pytest.mark.parametrize("path", ["batch", "stream"])
+def test_appendix_a_recorded_replays_stand_where_a_fresh_replay_stands(case, path, request, rebuilds):
+    """Appendix A.5 prints ds4ref's free replays of every case from book/results/oracle_ds4ref.npz
+    instead of running them again. Here the same replay runs afresh: the record has the fresh run's
+    rows and decisions (one per row of ds4.c's run), its per-row measures are logit_agreement's on
+    the record's own argmax, and both the record and the fresh run stand within the rebuild
+    yardstick on every measure (their digits move with the BLAS kernel, so no bit-for-bit compare)."""
+    from ds4ref.dev.oracle import _distance
+    rec = np.load(RECORDED)
+    meta = json.loads(RECORDED.with_suffix(".json").read_text())
+    assert meta["backend"] == "numpy" and set(meta["cases"]) == set(REBUILD_CASES)
+    golden, rows, ids = free_run(case, path, "numpy", request)
+    key = f"{case}.{path}.ds4ref"
+    m = {k: rec[f"{key}.{k}"] for k in ("corr", "mean_abs", "max_abs")}
+    fresh = logit_agreement(rows, golden_rows(golden, path))
+    assert all(m[k].shape == fresh[k].shape == (len(rows),) for k in m)
+    assert rec[f"{key}.argmax"].shape == (len(rows),) and rec[f"{key}.expert_ids"].shape == ids.shape
+    assert ((0 <= m["mean_abs"]) & (m["mean_abs"] <= m["max_abs"]) & (m["corr"] <= 1)).all()
+    recorded = _distance(m, rec[f"{key}.argmax"], golden, path, rec[f"{key}.expert_ids"])
+    assert set(recorded) == set(distance_to_golden(rows, golden, path, ids))
+    rebuilds.check(case, path, golden, recorded)
+    rebuilds.check(case, path, golden, distance_to_golden(rows, golden, path, ids))
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_appendix_a_recorded_shadow_decisions_stand_where_fresh_ones_stand(forced, runs_A, golden_A,
+                                                                          rebuilds, oracle_dir):
+    """Appendix A.5's decision figure reads case A batch's shadow decisions (free, and with ds4's
+    forced) from book/results/oracle_ds4ref.npz: the record covers the layers and positions a fresh
+    traced replay decides, and both stand within the decision yardstick, experts and indexer."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    from oracle_rows import shadow_decided
+    rec = shadow_decided(np.load(RECORDED))[forced]
+    fresh = runs_A["batch", forced]["decisions"]
+    idx = Rebuilds(oracle_dir, "rebuilds_indexer")
+    for kind, rb in (("experts", rebuilds), ("indexer", idx)):
+        assert sorted(rec[kind]) == sorted(fresh[kind])
+        assert all(rec[kind][il].shape == fresh[kind][il].shape for il in rec[kind])
+        for d in (rec, fresh):
+            claims = check_decisions(rb, "A", "batch", golden_A, stacked(d, kind), kind)
+            assert set(claims) == set(EXPERT_MEASURES if kind == "experts" else INDEXER_MEASURES)
+
+
 @pytest.mark.parametrize("case", ["A", "C"])
 @pytest.mark.parametrize("path", ["batch", "stream"])
 def test_expert_decisions_within_the_rebuild_yardstick(case, path, request, engine, rebuilds):
