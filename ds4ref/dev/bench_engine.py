@@ -42,29 +42,36 @@ ORACLE_MODEL = REPO / "data" / "oracle" / "dev_seed1.gguf"
 
 
 
-def decode_bytes_per_token(cfg) -> int:
-    """Weight bytes one decode token reads, from the tensor specs of shape cfg (nothing
-    loaded): every tensor once, n_expert_used / n_expert of each routed-expert tensor,
-    one row of the embedding and of the hash table.
+def decode_bytes_by_type(cfg) -> dict:
+    """Weight bytes one decode token reads, by ggml type name, from the tensor specs of
+    shape cfg (nothing loaded): every tensor once, n_expert_used / n_expert of each
+    routed-expert tensor, one row of the embedding and of the hash table, no router
+    bias in a hash layer (its table routes; the writer leaves the bias out there).
     Mirrors ds4.c: nothing (benchmark harness; the tensor table of weights_bind,
     l. 2650)"""
+    from ds4ref.ggml_types import GGMLType
     from ds4ref.quant import row_bytes
     from ds4ref.weights import tensor_specs
-    total = 0
+    out: dict = {}
     for spec in tensor_specs(cfg):
-        one_row = (
-            4 * spec.shape[0]
-            if int(spec.types[0]) == 26
-            else row_bytes(spec.shape[0], spec.types[0])
-        )
+        if spec.optional and spec.il is not None and spec.il < cfg.n_hash_layer:
+            continue
+        t = int(spec.types[0])
+        one_row = 4 * spec.shape[0] if t == 26 else row_bytes(spec.shape[0], t)
         nbytes = one_row * int(np.prod(spec.shape[1:], dtype=np.int64))
         if spec.field in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
             nbytes = nbytes * cfg.n_expert_used // cfg.n_expert
         # I32 hash table: one token's row
         elif spec.field in ("token_embd", "ffn_gate_tid2eid"):
             nbytes = one_row
-        total += nbytes
-    return int(total)
+        name = GGMLType(t).name
+        out[name] = out.get(name, 0) + int(nbytes)
+    return out
+
+
+def decode_bytes_per_token(cfg) -> int:
+    """The sum of decode_bytes_by_type: the bytes the decode floor divides."""
+    return sum(decode_bytes_by_type(cfg).values())
 
 
 def bench_backend(path, backend: str, prompt: list[int], steps: int, ctx: int) -> dict:

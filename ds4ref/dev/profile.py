@@ -16,39 +16,14 @@ import numpy as np
 
 from ds4ref.backend import GLUE, KERNELS
 from ds4ref.dev.bench_timing import RESULTS_DIR, read_bandwidth, run_stamp
+from ds4ref.ggml_types import GGMLType
 
 RESULTS = RESULTS_DIR / "decode_profile.json"
-# the weight type each seam kernel reads, where the call itself does not say
-EXPERT_TYPES = {"experts_mid": "IQ2_XXS", "experts_down": "Q2_K"}
-
-
-def bytes_by_type(cfg) -> dict:
-    """Weight bytes one decode token reads, by ggml type name (their sum is
-    decode_bytes_per_token)."""
-    from ds4ref.ggml_types import GGMLType
-    from ds4ref.quant import row_bytes
-    from ds4ref.weights import tensor_specs
-    out: dict = {}
-    for spec in tensor_specs(cfg):
-        t = int(spec.types[0])
-        one_row = 4 * spec.shape[0] if t == 26 else row_bytes(spec.shape[0], t)
-        n = one_row * int(np.prod(spec.shape[1:], dtype=np.int64))
-        if spec.field in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
-            n = n * cfg.n_expert_used // cfg.n_expert
-        elif spec.field in ("token_embd", "ffn_gate_tid2eid"):
-            n = one_row
-        name = GGMLType(t).name
-        out[name] = out.get(name, 0) + int(n)
-    return out
-
-
 def call_label(op: str, args) -> str:
     """What a seam call is charged to: the weight type for a kernel, the op for glue."""
-    if op in EXPERT_TYPES:
-        return EXPERT_TYPES[op]
-    if op in ("project", "project_grouped"):
-        t = getattr(args[0], "ggml_type", None)
-        return t.name if t is not None else "F32"
+    if op in ("project", "project_grouped", "experts_mid", "experts_down"):
+        t = getattr(args[0], "ggml_type", None)     # the weight each one reads first
+        return GGMLType(t).name if t is not None else "F32"
     return op if op in KERNELS else "glue: " + op
 
 
@@ -236,7 +211,8 @@ def main(argv=None) -> dict:
     kernels beside llama.cpp's (given its build), print the table, write the file."""
     from numba import config
     from ds4ref.backends import machine_description
-    from ds4ref.dev.bench_engine import decode_bytes_per_token, wide_model_path
+    from ds4ref.dev.bench_engine import (decode_bytes_by_type, decode_bytes_per_token,
+                                         wide_model_path)
     from ds4ref.weights import load_model
     ap = argparse.ArgumentParser(prog="python -m ds4ref.dev.bench profile",
                                  description=__doc__)
@@ -251,7 +227,7 @@ def main(argv=None) -> dict:
     _, cfg, _ = load_model(path)
     bw = read_bandwidth()
     res = {**run_stamp(), "machine": machine_description(), "read_bandwidth": bw,
-           "bytes_per_token_by_type": bytes_by_type(cfg),
+           "bytes_per_token_by_type": decode_bytes_by_type(cfg),
            "bytes_per_token": decode_bytes_per_token(cfg), "runs": []}
     prompt = list(range(2, 2 + args.prompt_len))
     for th in sorted({config.NUMBA_NUM_THREADS, 1}, reverse=True):
