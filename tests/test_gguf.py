@@ -282,6 +282,22 @@ def test_tokenizer_has_ds4_special_tokens_and_real_merges(micro_path, oracle_ggu
     assert len(train_bpe(CORPUS, 2000)) > 600
 
 
+def test_appendix_c_quotes_the_bpe_corpus_it_trains_on():
+    """Appendix C shows CORPUS as a quoted paragraph in markdown; the folded code holds
+    the string. Word for word they are the same text (line breaks aside)."""
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "book" / "C_testmodels.ipynb")
+                    .read_text())
+    quoted = [
+        "".join(c["source"]) for c in nb["cells"]
+        if c["cell_type"] == "markdown" and "`CORPUS`" in "".join(c["source"])
+    ]
+    assert len(quoted) == 1
+    text = " ".join(line[1:] for line in quoted[0].splitlines() if line.startswith(">"))
+    assert text.split() == CORPUS.split()
+
+
 def test_synthetic_model_is_generated_once_and_validates(tmp_path, monkeypatch):
     monkeypatch.setenv("DS4REF_CACHE", str(tmp_path / "cache"))
     p = synthetic_model_path()

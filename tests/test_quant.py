@@ -280,6 +280,42 @@ def test_iq2_xxs_round_trip_error_on_gaussian_weights():
     assert 0.239 < ratio < 0.335
 
 
+def test_iq2_xxs_d_factors_are_the_super_block_scale_candidates():
+    """With one candidate f, every block's d is f16(amax * f32(f / (43 * 31/8))): the
+    scale that puts the largest weight on the largest grid value at S = 15, times f.
+    Without d_factors the module's IQ2_XXS_D_FACTORS are used, and the module is left
+    as it was."""
+    x = np.random.default_rng(10).standard_normal((4, 512)).astype(np.float32)
+    amax = np.abs(x.reshape(-1, 256)).max(-1)
+    for f in (1.0, 0.7):
+        d, _, _, _ = Q.unpack_iq2_xxs_indices(WQ.quantize(x, Q.IQ2_XXS, d_factors=[f]))
+        want = (amax * np.float32(f / (43 * 31 / 8))).astype(np.float16)
+        assert np.array_equal(np.asarray(d).reshape(-1), want.astype(np.float32))
+    before = WQ.IQ2_XXS_D_FACTORS
+    default = WQ.quantize(x, Q.IQ2_XXS)
+    assert np.array_equal(default, WQ.quantize(x, Q.IQ2_XXS, d_factors=before))
+    WQ.quantize(x, Q.IQ2_XXS, d_factors=np.linspace(0.4, 1.2, 41))
+    assert WQ.IQ2_XXS_D_FACTORS == before
+    assert np.array_equal(default, WQ.quantize(x, Q.IQ2_XXS))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: WQ.quantize(np.ones((1, 256), np.float32), Q.IQ2_XXS, d_factors=[]),
+     "d_factors must be one or more finite positive"),
+    (lambda: WQ.quantize(np.ones((1, 256), np.float32), Q.IQ2_XXS, d_factors=[1, 0]),
+     "d_factors must be one or more finite positive"),
+    (lambda: WQ.quantize(np.ones((1, 256), np.float32), Q.IQ2_XXS, d_factors=[np.nan]),
+     "d_factors must be one or more finite positive"),
+    (lambda: WQ.quantize(np.ones((1, 256), np.float32), Q.IQ2_XXS, d_factors="big"),
+     "d_factors must be one or more finite positive"),
+    (lambda: WQ.quantize(np.ones((1, 256), np.float32), Q.Q2_K, d_factors=[1.0]),
+     "d_factors is only used by IQ2_XXS"),
+])
+def test_bad_d_factors_raise_quant_error(call, match):
+    with pytest.raises(QuantError, match=match):
+        call()
+
+
 def test_iq2_xxs_imatrix_trades_error_towards_important_columns():
     x = np.random.default_rng(8).standard_normal((8, 512)).astype(np.float32)
     w = np.ones(512, np.float32)

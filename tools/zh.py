@@ -231,7 +231,7 @@ def gaps(nb_path: Path) -> dict[str, list[int]]:
 FENCE = re.compile(r"^[ \t]*(`{3,})(.*?)\n(.*?)^[ \t]*\1[ \t]*$", re.S | re.M)
 DISPLAY_MATH = re.compile(r"\$\$.*?\$\$", re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-ROLE = re.compile(r"\{(?:ref|numref|doc|eq)\}`[^`<]*?<?([^`<>]+)>?`")
+ROLE = re.compile(r"\{(?:ref|numref|doc|eq|anchor)\}`[^`<]*?<?([^`<>]+)>?`")
 CODE = re.compile(r"`([^`]+)`")  # a code span may wrap onto the next line
 INLINE_MATH = re.compile(r"(?<![\\$])\$([^$\n]+?)\$")
 HEADING = re.compile(r"^(#{1,6}) ", re.M)

@@ -198,9 +198,9 @@ def _iq2_xxs_search(A, B, dg):
     return e.reshape(e.shape[0], 8, 4, -1).sum(axis=2), gi
 
 
-def _quantize_iq2_xxs_blocks(xb, wb):
+def _quantize_iq2_xxs_blocks(xb, wb, d_factors=IQ2_XXS_D_FACTORS):
     """[N, 256] values and weights -> [N] block_iq2_xxs by search over super-block
-    scale, group scale, grid and signs."""
+    scale (candidates d_factors x amax / (43 * 31/8)), group scale, grid and signs."""
     N = xb.shape[0]
     xv, wv = xb.reshape(N, 32, 8), wb.reshape(N, 32, 8)
     A, B, kflip, odd = _iq2_xxs_prepare(xv, wv)
@@ -208,7 +208,7 @@ def _quantize_iq2_xxs_blocks(xb, wb):
     ladder = (2 * np.arange(16, dtype=np.float32) + 1) / 8  # group scale = d * (2S+1)/8
     best_err, best_d = np.full(N, np.inf, np.float32), np.zeros(N, np.float32)
     best_s, best_gi = np.zeros((N, 8), np.int64), np.zeros((N, 32), np.int64)
-    for f in IQ2_XXS_D_FACTORS:
+    for f in d_factors:
         d = (amax * np.float32(f / (43 * 31 / 8))).astype(np.float16).astype(np.float32)
         # all-zero blocks: any point
         dg = np.maximum(d[:, None, None] * ladder, np.float32(1e-30))
@@ -238,7 +238,22 @@ def _quantize_iq2_xxs_blocks(xb, wb):
     return out
 
 
-def quantize(x, ggml_type, imatrix=None, chunk: int = 64) -> np.ndarray:
+def _d_factors(d_factors) -> tuple[float, ...]:
+    """The IQ2_XXS super-block scale candidates as a tuple of finite positive floats."""
+    try:
+        fs = np.asarray(d_factors, np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        fs = np.zeros(0)
+    if fs.size == 0 or not np.isfinite(fs).all() or (fs <= 0).any():
+        raise QuantError(
+            f"quantize(IQ2_XXS): d_factors must be one or more finite positive "
+            f"factors, got {d_factors!r}"
+        )
+    return tuple(float(f) for f in fs)
+
+
+def quantize(x, ggml_type, imatrix=None, chunk: int = 64,
+             d_factors=None) -> np.ndarray:
     """Quantize float weights [rows, n] (or [..., n]) to raw uint8 [..., row_bytes] of a
     ggml type.
 
@@ -246,7 +261,8 @@ def quantize(x, ggml_type, imatrix=None, chunk: int = 64) -> np.ndarray:
     Q2_K and Q4_K fit scales and mins per group (never worse than the covering min-max
     fit); IQ2_XXS searches super-block scale, group scales, grid points and signs,
     minimising the squared error weighted by `imatrix` (per-column importance [n],
-    default all ones). ds4.c only reads these formats; the quantizers produce what its
+    default all ones) over the super-block scale candidates `d_factors` (default
+    IQ2_XXS_D_FACTORS). ds4.c only reads these formats; the quantizers produce what its
     readers expect.
     Mirrors ds4.c: block_q2_K, block_q4_K, block_iq2_xxs (l. 132-152)
     """
@@ -274,6 +290,10 @@ def quantize(x, ggml_type, imatrix=None, chunk: int = 64) -> np.ndarray:
         )
     if imatrix is not None and t != IQ2_XXS:
         raise QuantError(f"quantize({TYPE_NAMES[t]}): imatrix is only used by IQ2_XXS")
+    if d_factors is not None and t != IQ2_XXS:
+        raise QuantError(
+            f"quantize({TYPE_NAMES[t]}): d_factors is only used by IQ2_XXS"
+        )
     xb = x.reshape(-1, elems)
     # F16 scale x largest code
     top = 65504 * {Q8_0: 127, Q2_K: 15, Q4_K: 63, IQ2_XXS: 43 * 31 / 8}[t]
@@ -300,6 +320,9 @@ def quantize(x, ggml_type, imatrix=None, chunk: int = 64) -> np.ndarray:
                 f"weights, got shape {w.shape}"
             )
         wb = np.broadcast_to(w, x.shape).reshape(-1, elems)
-        out = np.concatenate([_quantize_iq2_xxs_blocks(xb[i:i + chunk], wb[i:i + chunk])
-                              for i in range(0, xb.shape[0], chunk)])
+        fs = _d_factors(IQ2_XXS_D_FACTORS if d_factors is None else d_factors)
+        out = np.concatenate([
+            _quantize_iq2_xxs_blocks(xb[i:i + chunk], wb[i:i + chunk], fs)
+            for i in range(0, xb.shape[0], chunk)
+        ])
     return out.view(np.uint8).reshape(*lead, n // elems * nbytes)
