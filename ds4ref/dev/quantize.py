@@ -18,13 +18,13 @@ from ds4ref.quant import (
     TYPE_NAMES,
     QuantError,
     _finite_f32,
-    _type_info,
     block_iq2_xxs,
     block_q2_K,
     block_q4_K,
     block_q8_0,
     iq2xxs_grid,
     row_bytes,
+    type_traits,
     unpack_q2_K,
 )
 
@@ -266,8 +266,8 @@ def quantize(x, ggml_type, imatrix=None, chunk: int = 64,
     readers expect.
     Mirrors ds4.c: block_q2_K, block_q4_K, block_iq2_xxs (l. 132-152)
     """
-    elems, nbytes, _ = _type_info(ggml_type)
-    t = int(ggml_type)
+    traits = type_traits(ggml_type)        # QuantError for a type ds4 does not read
+    elems, nbytes, t = traits.block, traits.bytes, traits.id
     if t == Q8_K:
         raise QuantError("quantize: Q8_K is an activation format, use quantize_q8_K")
     x = _finite_f32(x, f"quantize({TYPE_NAMES[t]})")
