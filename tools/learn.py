@@ -29,7 +29,7 @@ import sys
 import types
 from pathlib import Path
 
-from tangle import _directives  # tools/: the tangler's reading of `#|` lines
+from tangle import code_cells  # tools/: the tangler's reading of `#|` lines
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
@@ -105,31 +105,13 @@ def learner_path(nn: str) -> Path:
     return LEARN / chapter_path(nn).name
 
 
-def _marks(src: str) -> tuple[list[str], str | None]:
-    """(the cell's `#|` directives, as the tangler reads them; its export module or
-    None)."""
-    marks, _ = _directives(src)
-    return marks, next((m.partition(" ")[2].strip() for m in marks
-                        if m.split(" ")[0] == "export"), None)
-
-
 def cells(nb: dict):
     """(cell, source, export module or None, [marked qualnames]) over the code cells,
-    the default module resolved."""
-    default = None
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        src = "".join(cell["source"])
-        marks, mod = _marks(src)
-        for m in marks:
-            if m.startswith("default_exp"):
-                default = m.split(" ", 1)[1].strip()
-        if mod == "":
-            mod = default
+    the default module resolved as the tangler resolves it."""
+    for cell, _, mods in code_cells(nb):
         names = [t[len(TAG):] for t in cell.get("metadata", {}).get("tags", [])
                  if t.startswith(TAG)]
-        yield cell, src, mod, names
+        yield cell, "".join(cell["source"]), (mods[0] if mods else None), names
 
 
 def marked(nn: str) -> list[tuple[str, str]]:
@@ -232,11 +214,9 @@ def load(nn: str, notebook: Path | None = None) -> dict:
     sys.modules[mod.__name__] = mod
     ns = mod.__dict__
     mine = {}
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
-            continue
+    for cell, _, mods in code_cells(nb):
         src = "".join(cell["source"])
-        if cell.get("id") == "learn-helper" or _marks(src)[1] is not None:
+        if cell.get("id") == "learn-helper" or mods:
             try:
                 exec(compile(src, f"{path.name} cell {cell.get('id')}", "exec"), ns)
             except Exception as e:      # the learner's cell: say which, do not crash

@@ -43,26 +43,35 @@ def _directives(src: str) -> tuple[list[str], str]:
     return marks, "\n".join(lines).strip("\n")
 
 
+def code_cells(nb: dict):
+    """(cell, body without its `#|` lines, [module of each `#| export`]) over a
+    notebook's code cells, a bare export resolved to the last `#| default_exp` (None
+    where there is none yet)."""
+    default = None
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        marks, body = _directives("".join(cell["source"]))
+        mods = []
+        for m in marks:
+            word, _, arg = m.partition(" ")
+            if word == "default_exp":
+                default = arg.strip()
+            elif word == "export":
+                mods.append(arg.strip() or default)
+        yield cell, body, mods
+
+
 def tangle() -> dict[Path, str]:
     """Return {module path: text} for every module the book exports."""
     parts: dict[str, list[tuple[str, str]]] = {}
     for nb_path in chapters():
         nb = json.loads(nb_path.read_text())
-        default = None
-        for cell in nb["cells"]:
-            if cell["cell_type"] != "code":
-                continue
-            src = "".join(cell["source"])
-            marks, body = _directives(src)
-            for m in marks:
-                word, _, arg = m.partition(" ")
-                if word == "default_exp":
-                    default = arg.strip()
-                elif word == "export":
-                    mod = arg.strip() or default
-                    if not mod:
-                        raise SystemExit(f"{nb_path.name}: '#| export' before '#| default_exp'")
-                    parts.setdefault(mod, []).append((nb_path.name, body))
+        for _, body, mods in code_cells(nb):
+            for mod in mods:
+                if not mod:
+                    raise SystemExit(f"{nb_path.name}: '#| export' before '#| default_exp'")
+                parts.setdefault(mod, []).append((nb_path.name, body))
     out: dict[Path, str] = {}
     for mod, cells in parts.items():
         names = list(dict.fromkeys(f"book/{c}" for c, _ in cells))
