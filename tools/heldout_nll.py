@@ -11,8 +11,6 @@ afresh and holds both the fresh run and this record to the same bounds.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from oracle_rows import write_record  # noqa: E402 (tools/: the recorders share it)
 
 
 def heldout_nll(engine) -> np.ndarray:
@@ -34,17 +34,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "book/results/heldout_nll.npz"))
     args = ap.parse_args(argv)
-    from ds4ref.dev.bench import machine
     from ds4ref.engine import Engine
-    out = Path(args.out)
-    np.savez_compressed(out, nll=heldout_nll(Engine.open(backend="numpy")))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    meta = {"what": "the bundled model's per-token NLL on data/trained/heldout.txt "
-                    "(tools/heldout_nll.py)",
-            "backend": "numpy", "commit": commit, "machine": machine()}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    print("wrote", out)
+    write_record(Path(args.out), {"nll": heldout_nll(Engine.open(backend="numpy"))},
+                 "the bundled model's per-token NLL on data/trained/heldout.txt "
+                 "(tools/heldout_nll.py)")
     return 0
 
 

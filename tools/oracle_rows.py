@@ -75,11 +75,22 @@ def shadow_decided(recorded) -> dict:
     return out
 
 
+def write_record(out: Path, arrays: dict, what: str, **meta) -> None:
+    """`out` (.npz, compressed) with `arrays`, and a JSON beside it saying what they are,
+    the commit and the machine they were computed on (the recording tools share it)."""
+    from ds4ref.dev.bench import machine
+    np.savez_compressed(out, **arrays)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    meta = {"what": what, "backend": "numpy", **meta, "commit": commit, "machine": machine()}
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    print("wrote", out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "book/results/oracle_ds4ref.npz"))
     args = ap.parse_args(argv)
-    from ds4ref.dev.bench import machine
     from ds4ref.engine import Engine
     cases = json.loads((ROOT / "data/oracle/rebuilds.json").read_text())["cases"]
     arrays = {}
@@ -92,15 +103,9 @@ def main(argv=None) -> int:
             print(case, path, "done", flush=True)
         if case == "A":
             arrays.update(shadow_arrays(engine, golden))
-    out = Path(args.out)
-    np.savez_compressed(out, **arrays)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    meta = {"what": "ds4ref's free replays of the rebuild cases (tools/oracle_rows.py)",
-            "backend": "numpy", "cases": list(cases), "commit": commit,
-            "machine": machine()}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    print("wrote", out)
+    write_record(Path(args.out), arrays,
+                 "ds4ref's free replays of the rebuild cases (tools/oracle_rows.py)",
+                 cases=list(cases))
     return 0
 
 

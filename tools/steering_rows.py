@@ -13,8 +13,6 @@ these to the steering rebuild yardstick.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from oracle_rows import write_record  # noqa: E402 (tools/: the recorders share it)
 
 ORACLE = ROOT / "data" / "oracle"
 CASES = ("none", "ffn1", "ffn-2_attn0.5")
@@ -51,17 +51,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "book/results/steering_ds4ref.npz"))
     args = ap.parse_args(argv)
-    from ds4ref.dev.bench import machine
     z = np.load(ORACLE / "ds4c_steering.npz")
     arrays = {f"{case}.batch.rows": steered_rows(z, case).astype(np.float32) for case in CASES}
-    out = Path(args.out)
-    np.savez_compressed(out, **arrays)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    meta = {"what": "ds4ref's steered replays, batch path (tools/steering_rows.py)",
-            "backend": "numpy", "cases": list(CASES), "commit": commit, "machine": machine()}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    print("wrote", out)
+    write_record(Path(args.out), arrays,
+                 "ds4ref's steered replays, batch path (tools/steering_rows.py)",
+                 cases=list(CASES))
     return 0
 
 
