@@ -143,10 +143,11 @@ class HyperConnection:
         return hc_mix(X, self.fn, self.cfg, self.be)
 
     def split(self, mix):
-        """(pre [..., n_hc], post [..., n_hc], comb [..., n_hc, n_hc]) of a mix."""
+        """(pre [..., n_hc], post [..., n_hc], comb [..., n_hc, n_hc]) of a mix, by
+        the backend's glue (hc_split_sinkhorn's bits, on its own arrays)."""
         c = self.cfg
-        return hc_split_sinkhorn(mix, self.scale, self.base, c.n_hc, c.hc_sinkhorn_iter,
-                                 c.hc_eps)
+        return self.be.hc_split_sinkhorn(mix, self.scale, self.base, c.n_hc,
+                                         c.hc_sinkhorn_iter, c.hc_eps)
 
     def pre(self, X):
         """X [..., n_hc, n_embd] -> the sub-layer input x [..., n_embd], post, comb."""
