@@ -150,6 +150,46 @@ def test_rope_errors_name_the_problem(model):
         rope_tail(np.ones(256, np.float32), -1, cfg, 0)
 
 
+@pytest.mark.parametrize("src,dst,at_window_start,inverse", ROPE_CASES)
+def test_numba_rope_gives_chapter_5s_bits(ops_A, model, positions, src, dst, at_window_start, inverse):
+    """be.rope on numba (the angles' cos and sin once per position and ratio, the pairs rotated in one numba loop)
+    equals rope_tail bit for bit on every row ds4.c rotated in case A, the second time from its cache too."""
+    from ds4ref.backends import get_backend
+    numba = get_backend("numba")
+    assert numba.rope is not NUMPY.rope
+    cfg, _ = model
+    n = 0
+    for l, p, k in cases(cfg, positions):
+        if k + dst not in ops_A:
+            continue
+        ratio = cfg.compress_ratio(l)
+        pos = p + 1 - ratio if at_window_start else p
+        want = rope_tail(ops_A[k + src], pos, cfg, ratio, inverse)
+        for _ in range(2):
+            got = numba.rope(ops_A[k + src], pos, cfg, ratio, inverse)
+            assert got.dtype == np.float32 and np.array_equal(got, want)
+        n += 1
+    assert n >= 16
+
+
+def test_numba_rope_refuses_and_batches_as_chapter_5(ops_A, model, positions):
+    """What rope_tail refuses, numba's rope refuses with its message; a batch's positions give rope_tail's rows; the
+    input is never written."""
+    from ds4ref.backends import get_backend
+    numba = get_backend("numba")
+    cfg, _ = model
+    for x, pos, msg in [(np.ones((2, 8, 256), np.float32), np.array([1, 2, 3]), "pos of shape"),
+                        (np.ones(32, np.float32), 1, "n_rot"), (np.ones(256, np.float32), -1, "positions must be"),
+                        (np.ones(256, np.float32), 1 << 24, "positions must be")]:
+        with pytest.raises(ValueError, match=msg):
+            numba.rope(x, pos, cfg, 0)
+    Q = np.stack([ops_A[f"L3.P{p}.q_normed"] for p in positions])
+    before = Q.copy()
+    assert np.array_equal(numba.rope(Q, np.array(positions), cfg, 128), rope_tail(Q, np.array(positions), cfg, 128))
+    assert np.array_equal(numba.rope(Q[0], np.int64(positions[0]), cfg, 128), rope_tail(Q[0], positions[0], cfg, 128))
+    assert np.array_equal(Q, before)
+
+
 # ---------------------------------------------------------------- attention
 
 def ds4_rows(ops_A, cfg, k):

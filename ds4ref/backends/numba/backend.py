@@ -20,7 +20,7 @@ from ds4ref.backends.common import (
 # one module per weight type, each with its row of kernels (KERNEL_ROW)
 from ds4ref.backends.numba import f16, iq2_xxs, q2_k, q4_k, q8_0
 from ds4ref.backends.numba.glue import (numba_hc_split_sinkhorn, numba_quantize_q8_0,
-                                        numba_quantize_q8_K)
+                                        numba_quantize_q8_K, numba_rope)
 from ds4ref.backends.numba.isa import run_kernel, warm_up_kernels
 from ds4ref.ops import q8k_rows, sum_slots, swiglu
 from ds4ref.quant import F16, IQ2_XXS, Q2_K, Q4_K, Q8_0
@@ -102,10 +102,12 @@ class NumbaBackend(NumpyBackend):
     matvec_iq2_xxs_q8_K = staticmethod(iq2_xxs.KERNEL_ROW.matvec)
     matvec_q2_K_q8_K = staticmethod(q2_k.KERNEL_ROW.matvec)
     matvec_q4_K_q8_K = staticmethod(q4_k.KERNEL_ROW.matvec)
-    # the glue in numba: the activation quantizers, with chapter 2's bits
+    # the glue in numba, with chapters 2, 4 and 5's bits: the activation quantizers,
+    # HC's split, RoPE
     quantize_q8_0 = staticmethod(numba_quantize_q8_0)
     quantize_q8_K = staticmethod(numba_quantize_q8_K)
     hc_split_sinkhorn = staticmethod(numba_hc_split_sinkhorn)
+    rope = staticmethod(numba_rope)
     # f16_kernel runs the same loop for each (row, token) whatever the batch, so a
     # prefill may run its HC mix and router for all tokens at once (chapters 6, 7)
     f16_batch_invariant = True
