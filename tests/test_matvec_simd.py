@@ -420,8 +420,8 @@ def test_q8_0_avx2_equals_plain_kernel_on_ds4_tensors(model, ops_A):
 
 def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
     """numba_matvec_q8_0_prequant: VNNI where the CPU has it, else AVX2 (token lanes from the lanes threshold on,
-    row lanes below), else q8_0_kernel; an activation code -128 goes to q8_0_kernel on the AVX2 path. Every
-    choice gives the numpy reference's bits."""
+    row lanes below, one row at a time for rows shorter than this CPU's ROWS_MIN_BLOCKS), else q8_0_kernel; an
+    activation code -128 goes to q8_0_kernel on the AVX2 path. Every choice gives the numpy reference's bits."""
     rng = np.random.default_rng(9)
     raw = q8_0_rows(rng, 601, 16)
     called = []
@@ -438,7 +438,8 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
             if "avx512vnni" in have:
                 want = nv.Q8_0_SIMD[1] if T >= nv.Q8_0_LANES_MIN_T else nr.Q8_0_ROWS_VNNI
             elif "avx2" in have and not minus_128:
-                want = qa.Q8_0_AVX2[1] if T >= qa.Q8_0_AVX2_LANES_MIN_T else nr.Q8_0_ROWS_AVX2
+                few = nr.Q8_0_ROWS_AVX2 if 16 >= q8.ROWS_MIN_BLOCKS else qa.Q8_0_AVX2[0]
+                want = qa.Q8_0_AVX2[1] if T >= qa.Q8_0_AVX2_LANES_MIN_T else few
             else:
                 want = q8p.q8_0_kernel
             assert called == [want], (T, minus_128)
@@ -446,9 +447,11 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
         monkeypatch.setattr(q8, "Q8_0_SIMD", None)
         for T in (1, qa.Q8_0_AVX2_LANES_MIN_T - 1):        # a few tokens: 8 rows in lanes
             a = q8_0_act_127(rng, T, 16)
-            called.clear()
-            assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
-            assert called == [nr.Q8_0_ROWS_AVX2], T
+            for min_blocks, want in ((0, nr.Q8_0_ROWS_AVX2), (17, qa.Q8_0_AVX2[0])):  # per CPU
+                monkeypatch.setattr(q8, "ROWS_MIN_BLOCKS", min_blocks)
+                called.clear()
+                assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
+                assert called == [want], (T, min_blocks)
         a = q8_0_act_127(rng, 12, 16)
         called.clear()
         assert np.array_equal(NUMBA.matvec_q8_0_prequant(raw, a), matvec_q8_0_prequant(raw, a))
@@ -457,6 +460,22 @@ def test_q8_0_dispatch_picks_the_expected_kernel(monkeypatch):
         assert called == [qa.Q8_0_AVX2[1], q8p.q8_0_kernel]
     assert qa.Q8_0_AVX2_LANES_MIN_T >= 2
 
+
+def test_q8_0_rows_min_blocks_cites_a_measurement_of_its_cpu():
+    """Each CPU of Q8_0_ROWS_MIN_BLOCKS has a committed tools/q8_0_rows_ab.py run on that CPU, and the run agrees
+    with the limit: rows shorter than it are clearly slower 8 at a time (paired time ratio > 1.1 at every thread
+    count), rows at or above it are not slower (< 1.05)."""
+    import json
+    from ds4ref.dev.bench_timing import RESULTS_DIR
+    runs = [json.loads(f.read_text()) for f in sorted(RESULTS_DIR.glob("q8_0_rows_*.json"))]
+    assert q8.Q8_0_ROWS_MIN_BLOCKS
+    for cpu, limit in q8.Q8_0_ROWS_MIN_BLOCKS.items():
+        mine = [r for run in runs if run["machine"]["llvm_cpu"] == cpu for r in run["results"]]
+        assert {r["n"] // 32 < limit for r in mine} == {True, False}, cpu   # both sides measured
+        for r in mine:
+            ratio = r["paired_ratio"]["avx2-8"]
+            assert ratio > 1.1 if r["n"] // 32 < limit else ratio < 1.05, (cpu, r["rows"], r["n"], ratio)
+    assert q8.ROWS_MIN_BLOCKS == q8.Q8_0_ROWS_MIN_BLOCKS.get(isa.host_cpu_name(), 0)
 
 # Q8_0 decode in row lanes (appendix D, D.7): 16 (VNNI) or 8 (AVX2) rows per register
 import ds4ref.backends.numba.q8_0.rows as nr  # noqa: E402

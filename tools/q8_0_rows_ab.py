@@ -13,13 +13,16 @@ themselves, on the same weights and activation):
 
 Each timing cycles through copies of the weight (--stream-mb) so that they stream from memory, as in a
 decode step. Prints the best GB/s per variant and the median over rounds of the paired ratio
-variant / the first variant. Not a test and writes no file.
+variant / the first variant; with --out, writes them as JSON with the date, commit and CPU (the file
+that the numba Q8_0 matvec's per-CPU choice between the two AVX2 decode kernels cites). Not a test.
 
     python tools/q8_0_rows_ab.py                  # 2 and 1 threads, 5 rounds
+    python tools/q8_0_rows_ab.py --out book/results/q8_0_rows_<cpu>.json
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -29,13 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_ab import add_ab_args, paired_median, q8_0_cases, time_variants  # noqa: E402
 
-# wide-model Q8_0 shapes [rows x n]: attn_output_b, attn_q_b, ffn_gate_shexp
-SHAPES = ((4096, 8192), (32768, 1024), (2048, 4096))
+# wide-model Q8_0 shapes [rows x n]: attn_output_b, attn_q_b, ffn_gate_shexp, ffn_down_shexp
+SHAPES = ((4096, 8192), (32768, 1024), (2048, 4096), (4096, 2048))
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_ab_args(ap, threads="2,1", tokens="1")
+    ap.add_argument("--out", help="write the rows as JSON to this path")
     args = ap.parse_args(argv)
 
     from ds4ref.backends.numba.isa import F16_TO_F32, host_simd, run_kernel
@@ -65,6 +69,7 @@ def main(argv=None) -> None:
         return out
 
     rng = np.random.default_rng(0)
+    results = []
     for threads, rows, n, w, copies in q8_0_cases(args, rng, SHAPES):
         for T in [int(t) for t in args.tokens.split(",")]:
             xq = rng.integers(-127, 128, (T, n), dtype=np.int8)  # no -128: AVX2's domain
@@ -80,7 +85,19 @@ def main(argv=None) -> None:
             rs = "  ".join(f"{v}/{base} {paired_median(times, v, base):.2f}"
                            for v in kernels if v != base)
             print(f"{threads}t  {rows:>5d}x{n:<5d} T={T}  GB/s: {gbs}   {rs}", flush=True)
+            results.append({"threads": threads, "rows": rows, "n": n, "tokens": T,
+                            "best_gb_per_s": {v: w.nbytes / min(t) / 1e9 for v, t in times.items()},
+                            "seconds": times,
+                            "paired_ratio_to": base,
+                            "paired_ratio": {v: paired_median(times, v, base) for v in kernels}})
     print("\nbest GB/s of weights read per variant; ratio = median over rounds of the paired times, < 1: faster")
+    if args.out:
+        from ds4ref.dev.bench import machine
+        from ds4ref.dev.bench_timing import run_stamp
+        report = {**run_stamp(), "tool": "tools/q8_0_rows_ab.py", "machine": machine(),
+                  "rounds": args.rounds, "stream_mb": args.stream_mb, "results": results}
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print("wrote", args.out)
 
 
 if __name__ == "__main__":

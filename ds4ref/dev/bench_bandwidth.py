@@ -11,8 +11,8 @@ import numpy as np
 from numba import njit, prange
 
 
-def median_seconds(fn, args: list, repeats: int) -> float:
-    """Median wall time of fn(args[i]) over repeats calls, cycling through args (one
+def call_seconds(fn, args: list, repeats: int) -> list[float]:
+    """The wall time of each of repeats calls fn(args[i]), cycling through args (one
     warm-up call first).
 
     Mirrors ds4.c: now_sec (l. 511) (its own timing of prefill and decode)"""
@@ -22,7 +22,12 @@ def median_seconds(fn, args: list, repeats: int) -> float:
         t0 = time.perf_counter()
         fn(args[(i + 1) % len(args)])
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return times
+
+
+def median_seconds(fn, args: list, repeats: int) -> float:
+    """The median of call_seconds."""
+    return float(np.median(call_seconds(fn, args, repeats)))
 
 
 @njit(cache=True, fastmath=True)

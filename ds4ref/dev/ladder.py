@@ -28,7 +28,7 @@ from ds4ref.dev.bench import machine, weight_pool
 from ds4ref.dev.bench_bandwidth import (
     POOL_BYTES,
     bandwidth_floor,
-    median_seconds,
+    call_seconds,
     read_bandwidth_once,
 )
 from ds4ref.dev.bench_timing import RESULTS_DIR, run_stamp
@@ -235,9 +235,12 @@ def ladder(tokens=(1, 32), repeats: int = 15, pool_bytes: int = POOL_BYTES,
                 got = fn(pool[0], a)
                 ref = got if ref is None else ref
                 reps = max(3, repeats // 5) if name == "numpy reference" else repeats
-                sec = median_seconds(lambda w: fn(w, a), pool, reps)
+                times = call_seconds(lambda w: fn(w, a), pool, reps)
+                sec = float(np.median(times))
+                q1, q3 = (float(q) for q in np.quantile(times, (0.25, 0.75)))
                 results.append({"type": kind, "shape": f"{n_in}->{n_out} ({what})",
                                 "tokens": T, "rung": name, "median_s": sec,
+                                "quartiles_s": [q1, q3],
                                 "weight_bytes": nbytes, "gb_per_s": nbytes / sec / 1e9,
                                 "same_as_reference": same_as_reference(kind, got, ref),
                                 "repeats": reps})
@@ -256,16 +259,21 @@ def ladder(tokens=(1, 32), repeats: int = 15, pool_bytes: int = POOL_BYTES,
 
 
 def print_ladder(report: dict) -> None:
-    """The ladder as a table: per format and token count, each rung's time, GB/s and
-    share of the floor."""
+    """The ladder as a table: per format and token count, each rung's median time,
+    GB/s (with the GB/s of its calls' quartiles, where the run kept them) and share of
+    the floor."""
     m = report["machine"]
     print(f"{m['cpu']} ({m['llvm_cpu']}, {m['numba_threads']} threads), "
           f"floor {report['floor_gb_per_s']:.1f} GB/s, {report['date'][:10]}")
-    print(f"{'format':8} {'T':>3} {'rung':30} {'ms':>8} {'GB/s':>6} {'floor':>6} bits")
+    print(f"{'format':8} {'T':>3} {'rung':30} {'ms':>8} {'GB/s':>6} {'quartiles':>11}"
+          f" {'floor':>6} bits")
     for r in report["results"]:
         ms = r["median_s"] * 1e3
+        q = r.get("quartiles_s")
+        iqr = (f"{r['weight_bytes'] / q[1] / 1e9:5.1f}-"
+               f"{r['weight_bytes'] / q[0] / 1e9:<5.1f}" if q else "")
         print(f"{r['type']:8} {r['tokens']:3d} {r['rung']:30} {ms:8.3f}"
-              f" {r['gb_per_s']:6.2f} {r['of_floor']:6.0%} "
+              f" {r['gb_per_s']:6.2f} {iqr:>11} {r['of_floor']:6.0%} "
               f"{'same' if r['same_as_reference'] else 'DIFFER'}")
 
 

@@ -123,6 +123,16 @@ def host_simd() -> frozenset:
     return frozenset(have)
 
 
+def host_cpu_name() -> str:
+    """The CPU the kernels are compiled for, by LLVM's name ("znver3",
+    "sapphirerapids"): NUMBA_CPU_NAME where set, else the host's. The key of the
+    per-CPU choices between kernels that give the same bits.
+    Mirrors ds4.c: nothing (ds4.c has one x86 path)"""
+    if config.CPU_NAME not in (None, "host"):
+        return config.CPU_NAME
+    return _llvm_binding.get_host_cpu_name()
+
+
 def simd_kernels(table) -> list:
     """The kernels of `table` ((kernel, instruction set) pairs, widest first) that
     host_simd() allows here; empty: use the portable kernel.

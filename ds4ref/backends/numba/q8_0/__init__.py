@@ -9,7 +9,8 @@ import numpy as np
 
 from ds4ref.backend import TypeKernels
 from ds4ref.backends.numba.glue import numba_quantize_q8_0
-from ds4ref.backends.numba.isa import F16_TO_F32, checked_rows, new_out, run_kernel
+from ds4ref.backends.numba.isa import (F16_TO_F32, checked_rows, host_cpu_name,
+                                       new_out, run_kernel)
 from ds4ref.backends.numba.q8_0.avx2 import (Q8_0_AVX2, Q8_0_AVX2_LANES_MIN_T,
                                              q8_0_avx2_lanes_operands)
 from ds4ref.backends.numba.q8_0.portable import q8_0_kernel
@@ -29,6 +30,11 @@ def _x_corrections(xq: np.ndarray) -> np.ndarray:
 
 # what the AVX2 kernels get for the offsets they do not read (the same array type)
 _NO_XC = np.zeros((1, 1), np.int32)
+# the shortest row, in Q8_0 blocks, that the AVX2 decode reads 8 rows at a time, per
+# CPU (LLVM's name): shorter rows go one at a time, which these CPUs stream from memory
+# faster (book/results/q8_0_rows_<cpu>.json); other CPUs take 8 rows at any width
+Q8_0_ROWS_MIN_BLOCKS = {"znver3": 64}
+ROWS_MIN_BLOCKS = Q8_0_ROWS_MIN_BLOCKS.get(host_cpu_name(), 0)
 
 
 def q8_0_few(kernel, raw, xq, xd, out) -> None:
@@ -56,8 +62,8 @@ def _q8_0_vnni(raw, xq, xd, out) -> None:
 def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
     """As ds4ref.matvec.matvec_q8_0_prequant, by the VNNI kernels where the CPU has
     them; else by the AVX2 kernels where it has AVX2 and no activation code is -128
-    (8-token lanes from Q8_0_AVX2_LANES_MIN_T tokens on, 8 rows in lanes below); else
-    q8_0_kernel.
+    (8-token lanes from Q8_0_AVX2_LANES_MIN_T tokens on, 8 rows in lanes below, or one
+    row at a time for rows shorter than ROWS_MIN_BLOCKS); else q8_0_kernel.
     Mirrors ds4.c: matvec_q8_0_prequant (l. 3402)"""
     raw = checked_rows(w, Q8_0)
     (xq, xd), lead = q8_0_fields(a, row_elements(raw, Q8_0))
@@ -70,6 +76,8 @@ def numba_matvec_q8_0_prequant(w, a) -> np.ndarray:
     elif T >= Q8_0_AVX2_LANES_MIN_T:  # repacked once, 8 tokens per vector
         xs, xd8 = q8_0_avx2_lanes_operands(xq, xd)
         run_kernel(Q8_0_AVX2[1], raw, xs, xd8, T, F16_TO_F32, out, rows=rows)
+    elif raw.shape[1] // 34 < ROWS_MIN_BLOCKS:  # short rows on this CPU: one at a time
+        run_kernel(Q8_0_AVX2[0], raw, xq, xd, F16_TO_F32, out, rows=rows)
     else:  # a few tokens: 8 rows per register, each weight byte read once
         q8_0_few(Q8_0_ROWS_AVX2, raw, xq, xd, out)
     return out.reshape(lead + (rows,))
