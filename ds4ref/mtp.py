@@ -212,86 +212,169 @@ class MTPState:
         return logits, X
 
 
-def _top2_margin(logits: np.ndarray) -> float:
-    top = np.partition(np.asarray(logits, np.float64), -2)[-2:]
-    return float(top[1] - top[0])
+def mtp_draft(s, st: MTPState, token: int, pos: int, prev_hc):
+    """One draft on the session's MTP window: (the drafted token, its logits [V], the
+    block output [n_hc, n_embd] that the next draft starts from).
+
+    Mirrors ds4.c: metal_graph_eval_mtp_draft_from_hc (l. 12852)"""
+    e = s.engine
+    logits, X = st.step(s.cfg, e.weights, e.mtp, token, pos, prev_hc, e.backend)
+    return sample_argmax(logits), logits, X
+
+
+def draft_suffix(s, st: MTPState, d0: int, logits, X, cap: int, eos_token):
+    """The drafts [d0, d1, ..] (at most cap, none after an EOS) and the last one's MTP
+    logits [V]. d0 takes position s.pos; each next draft is made at its predecessor's
+    position, from that token and the block output of the draft before.
+
+    Mirrors ds4.c: the draft loop of ds4_session_eval_speculative_argmax (l. 17881)"""
+    drafts, pos = [d0], s.pos
+    while len(drafts) < cap and drafts[-1] != eos_token:
+        d, logits, X = mtp_draft(s, st, drafts[-1], pos + len(drafts) - 1, X)
+        drafts.append(d)
+    return drafts, logits
+
+
+def accepted_prefix(drafts: list[int], rows) -> int:
+    """How many drafts stand: draft 0 (already checked), then draft i while the target's
+    argmax of rows[i - 1] (its logits after draft i - 1, rows [k, V]) is draft i.
+
+    Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 18095, commit_drafts)"""
+    n = 1
+    while n < len(drafts) and sample_argmax(rows[n - 1]) == drafts[n]:
+        n += 1
+    return n
+
+
+def verify_suffix(s, drafts: list[int], pos: int) -> tuple[int, np.ndarray]:
+    """(n, the logits [V] after drafts[n - 1]) for the drafts at pos.. checked in one
+    batch; the cache keeps drafts[:n] only: copied before the batch, and after a miss
+    restored and the kept drafts re-run as one more batch.
+
+    Mirrors ds4.c: metal_graph_verify_suffix_tops (l. 13722) between
+    spec_frontier_snapshot (l. 16011) and spec_frontier_restore (l. 16044)"""
+    model, hooks = s.engine.model, s.hooks()
+    snap = s._cache.copy()
+    rows, _ = forward_rows(model, s._cache, drafts, pos, hooks)          # [k, V]
+    n = accepted_prefix(drafts, rows)
+    if n < len(drafts):                           # rewind, re-run the kept prefix
+        s._cache = snap
+        rows, _ = forward_rows(model, s._cache, drafts[:n], pos, hooks)
+    return n, rows[n - 1]
+
+
+def verify_suffix_decode(s, drafts: list[int], pos: int) -> tuple[int, np.ndarray]:
+    """verify_suffix a token at a time, stopping after the first miss: exact on a
+    backend whose batch path is not its decode path bit for bit.
+
+    Mirrors ds4.c: metal_graph_verify_decode2_exact (l. 13813), for any number of
+    drafts"""
+    def miss(i, logits):          # the target's token after drafts[i] is not the next
+        return i + 1 < len(drafts) and sample_argmax(logits) != drafts[i + 1]
+    rows, _ = decode_rows(s.engine.model, s._cache, drafts, pos, s.hooks(), stop=miss)
+    return len(rows), rows[-1]
+
+
+def margin_skip(s, drafts: list[int], logits) -> bool:
+    """Whether draft 0 is decoded alone instead of verified in a batch: it is the only
+    draft, or one of two whose MTP logits [V] (the second's) have a top-2 margin below
+    the engine's mtp_margin.
+
+    Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17912)"""
+    if len(drafts) == 2:
+        return _top2_margin(logits) < s.engine.mtp_margin
+    return len(drafts) == 1
+
+
+def speculative_cycle(s, first_token: int, max_tokens: int, eos_token) -> list[int]:
+    """One speculative step on a checked session; returns the tokens it committed.
+
+    1. decode first_token (its logits check draft 0 for free); 2. the MTP block
+    drafts from the target's final HC state, then from its own output; 3. the target
+    verifies the drafts and the agreeing prefix is committed, or draft 0 is decoded
+    alone where a batch would not pay (margin_skip).
+    Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
+    P = s.pos
+    hc = target_eval(s, first_token, P)                       # 1.
+    cap = min(s.engine.mtp_draft_tokens, max_tokens - 1, s.ctx_size - s.pos - 1)
+    if first_token == eos_token or cap <= 0:
+        return [int(first_token)]
+    st = session_mtp_state(s)
+    d0, logits, X = mtp_draft(s, st, first_token, P, hc)      # 2.
+    if d0 != sample_argmax(s._logits):                        # draft 0 checked for free
+        return [int(first_token)]
+    drafts, logits = draft_suffix(s, st, d0, logits, X, cap, eos_token)
+    if margin_skip(s, drafts, logits):                        # 3.
+        target_eval(s, d0, P + 1)
+        n = 1
+    else:
+        verify = verify_suffix if batch_is_decode(s) else verify_suffix_decode
+        n, last = verify(s, drafts, P + 1)
+        commit(s, drafts[:n], last)
+    st.keep(P + 1 + n)                        # the MTP window: rewound by position
+    return [int(t) for t in [first_token] + drafts[:n]]
 
 
 def eval_speculative_argmax(s, first_token: int, max_tokens: int,
                             eos_token: int | None = None) -> list[int]:
     """Commit first_token, then the MTP drafts the target agrees with; returns them all.
 
-    1. decode first_token (its logits check draft 0 for free); 2. the MTP block drafts
-    from the target's final HC state, then from its own output; 3. one batched forward
-    verifies the rest, the longest agreeing prefix is committed and the cache rewound
-    past it (a snapshot, then a batch re-run of the kept drafts). The tokens are plain
-    greedy decoding's. On a backend whose batch path is not its decode path bit for bit
-    (`be.batch_is_decode`, chapter 3) the drafts are decoded one by one instead
-    (decode_rows), which keeps that guarantee and gives up the batch's speed.
+    The tokens are plain greedy decoding's. Without an MTP block (or with
+    mtp_draft_tokens 1) it is one plain eval.
     Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
     s._check_speculative(first_token, max_tokens, eos_token)  # chapter 8
-    e, cfg = s.engine, s.cfg
+    e = s.engine
     if e.mtp is None or e.mtp_draft_tokens <= 1:
         s.eval(int(first_token))
         return [int(first_token)]
-    be, w, model, hooks = e.backend, e.weights, e.model, s.hooks()
-    out = []
+    return s._run(lambda: speculative_cycle(s, first_token, max_tokens, eos_token))
 
-    def commit(tokens, logits):
-        s._tokens.extend(int(t) for t in tokens)
-        s._logits = np.array(logits, np.float32)
-        out.extend(int(t) for t in tokens)
 
-    exact = getattr(be, "batch_is_decode", False)
-    rows_of = forward_rows if exact else decode_rows
+def batch_is_decode(s) -> bool:
+    """Whether the session's backend computes a batch bit for bit as its decode path
+    (chapter 3): then one batch verifies the drafts, else one token at a time.
 
-    def go():
-        P = s.pos
-        logits, hc = rows_of(model, s._cache, [first_token], P, hooks)
-        commit([first_token], logits[0])
-        if first_token == eos_token or max_tokens == 1:
-            return
-        cap = min(e.mtp_draft_tokens, max_tokens - 1, s.ctx_size - s.pos - 1)
-        if cap <= 0:
-            return
-        st = getattr(s, "_mtp_state", None)
-        if st is None or st.ctx_size != s.ctx_size:
-            st = s._mtp_state = MTPState(cfg, s.ctx_size)
-        st.sync(s._tokens)
-        mlog, mhc = st.step(cfg, w, e.mtp, first_token, P, hc[0], be)
-        drafts = [sample_argmax(mlog)]
-        if sample_argmax(s._logits) != drafts[0]:       # draft 0 is checked for free
-            return
-        if drafts[0] == eos_token:
-            cap = 1
-        while len(drafts) < cap:
-            mlog, mhc = st.step(cfg, w, e.mtp, drafts[-1], P + len(drafts), mhc, be)
-            drafts.append(sample_argmax(mlog))
-            if drafts[-1] == eos_token:
-                break
-        if len(drafts) == 1 or (len(drafts) == 2 and _top2_margin(mlog) < e.mtp_margin):
-            rows, _ = rows_of(model, s._cache, drafts[:1], P + 1, hooks)
-            commit(drafts[:1], rows[0])                    # a plain decode of draft 0
-            st.keep(P + 2)
-            return
-        if not exact:  # decode the drafts, stop after the first miss
-            rows, _ = decode_rows(model, s._cache, drafts, P + 1, hooks,
-                                  stop=lambda i, lg: i + 1 < len(drafts)
-                                  and sample_argmax(lg) != drafts[i + 1])
-            n = len(rows)
-        else:
-            snap = s._cache.copy()
-            rows, _ = forward_rows(model, s._cache, drafts, P + 1, hooks)  # [k, V]
-            n = 1
-            while n < len(drafts) and sample_argmax(rows[n - 1]) == drafts[n]:
-                n += 1
-            if n < len(drafts):                         # rewind, re-run the kept prefix
-                s._cache = snap
-                rows, _ = forward_rows(model, s._cache, drafts[:n], P + 1, hooks)
-        commit(drafts[:n], rows[n - 1])
-        st.keep(P + 1 + n)
-    s._run(go)
-    return out
+    Mirrors ds4.c: use_decode2_exact (l. 17963), chosen here by the backend, there by
+    --quality"""
+    return getattr(s.engine.backend, "batch_is_decode", False)
+
+
+def commit(s, tokens: list[int], logits) -> None:
+    """Append tokens to the session's checkpoint; logits [V] (after the last of them)
+    become the session's logits.
+
+    Mirrors ds4.c: token_vec_push (l. 14325) and the copy into s->logits that ends
+    each path of ds4_session_eval_speculative_argmax (l. 17790)"""
+    s._tokens.extend(int(t) for t in tokens)
+    s._logits = np.array(logits, np.float32)
+
+
+def target_eval(s, token: int, pos: int) -> np.ndarray:
+    """Decode one token at pos on the session's cache and commit it; returns its final
+    HC state [n_hc, n_embd], which the MTP block drafts from.
+
+    Mirrors ds4.c: ds4_session_eval (l. 17779); on the GPU
+    metal_graph_eval_token_raw_swa (l. 12776)"""
+    rows_of = forward_rows if batch_is_decode(s) else decode_rows  # as the verifier
+    logits, hc = rows_of(s.engine.model, s._cache, [token], pos, s.hooks())
+    commit(s, [token], logits[0])
+    return hc[0]
+
+
+def session_mtp_state(s) -> MTPState:
+    """The session's MTP window (a new one for a new ctx_size), kept along its tokens.
+
+    Mirrors ds4.c: the session graph's mtp_raw_cache / mtp_n_raw (l. 8253)"""
+    st = getattr(s, "_mtp_state", None)
+    if st is None or st.ctx_size != s.ctx_size:
+        st = s._mtp_state = MTPState(s.cfg, s.ctx_size)
+    st.sync(s._tokens)
+    return st
+
+
+def _top2_margin(logits: np.ndarray) -> float:
+    top = np.partition(np.asarray(logits, np.float64), -2)[-2:]
+    return float(top[1] - top[0])
 
 
 def open_mtp_options(engine, path, draft_tokens: int, margin: float, bundled: bool):
