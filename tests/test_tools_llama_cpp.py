@@ -202,3 +202,22 @@ def test_read_dump_reads_the_drivers_records(tmp_path):
     got = tool.read_dump(tmp_path / "d")
     assert set(got) == {"kv-6", "q"} and np.array_equal(got["kv-6"], a)     # the first of a name
     assert np.array_equal(got["q"], a[0])
+
+
+def test_mtp_crosscheck_builds_its_inputs():
+    """mtp_crosscheck.ds4ref_inputs (ds4ref's side of the llama.cpp MTP cross-check) runs on the synthetic
+    model: the recorded prompt tokens and positions of data/llama_cpp/mtp_tiny_seed7.npz, then DRAFTS drafts,
+    each the argmax of the step before at the next position, with HC states of the model's shape. (The float
+    values are not compared: on random weights a last-bit difference flips a code and moves them by ~1e-2.)"""
+    from ds4ref.dev.writer import synthetic_model_path, synthetic_mtp_path
+    from ds4ref.engine import Engine
+    tool = _tool("mtp_crosscheck")
+    rec = np.load(Path(__file__).resolve().parents[1] / "data" / "llama_cpp" / "mtp_tiny_seed7.npz")
+    eng = Engine.open(synthetic_model_path(), backend="numpy", mtp_path=synthetic_mtp_path())
+    toks, pos, h_in, logits, h_out = tool.ds4ref_inputs(eng)
+    n, cfg = int(rec["n_prompt"]), eng.cfg
+    assert len(toks) == n + tool.DRAFTS and np.array_equal(toks[:n], rec["tokens"][:n])
+    assert np.array_equal(pos, np.arange(len(toks)))
+    assert h_in.shape == h_out.shape == (len(toks), cfg.n_hc, cfg.n_embd) and logits.shape == (len(toks), cfg.n_vocab)
+    assert all(int(toks[i]) == int(np.argmax(logits[i - 1])) for i in range(n, len(toks)))
+    assert np.array_equal(h_in[n:], h_out[n - 1:-1])        # a draft's input is the step before's output

@@ -56,7 +56,7 @@ def ds4ref_inputs(eng):
     from ds4ref.mtp import MTP_IL, decode_rows, mtp_draft_step
     cfg, w, be = eng.cfg, eng.weights, eng.backend
     prompt = eng.tokenizer.encode(PROMPT)
-    _, hc = decode_rows(cfg, w, KVCache(cfg, CTX), prompt, 0, be)
+    _, hc = decode_rows(eng.model, KVCache(cfg, CTX), prompt, 0)
     cache = LayerCache(cfg, MTP_IL, CTX)
     toks, pos, h_in, logits, h_out = [], [], [], [], []
 
