@@ -240,3 +240,31 @@ def test_intro_shape_table_lists_every_constant_of_ds4c_enum():
     assert sorted(seen) == sorted(ENUM)
     assert seen == {
         n: (DS4_SHAPE[f], getattr(tiny, f)) for n, f in ENUM.items()}
+
+
+def test_rendered_cells_name_the_module_file_they_are_exported_to():
+    """The pages show no `#| ` line; an exported cell opens with `# exported to ds4ref/....py`, one line per module
+    the tangler sends it to, and that file exists and contains the cell's code (book/_ext/strip_markers.py)."""
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    try:
+        import strip_markers
+    finally:
+        sys.path.pop(0)
+    exported = 0
+    for path in CHAPTER_FILES:
+        nb = json.loads(path.read_text())
+        shown = json.loads(path.read_text())
+        strip_markers.rendered_source(shown)
+        for cell, view in zip(nb["cells"], shown["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            assert not any(x.startswith("#| ") for x in view["source"].split("\n")), path.name
+            marks = [x for x in "".join(cell["source"]).split("\n") if x.startswith("#| export")]
+            heads = [x for x in view["source"].split("\n") if x.startswith("# exported to ")]
+            assert len(heads) == len(set(marks)) or not marks, (path.name, marks, heads)
+            body = "\n".join(x for x in view["source"].split("\n") if not x.startswith("# exported to "))
+            for head in heads:
+                target = ROOT / head.removeprefix("# exported to ")
+                assert target.is_file() and body.strip() in target.read_text(), (path.name, head)
+                exported += 1
+    assert exported > 100
