@@ -180,7 +180,8 @@ def test_numba_rope_refuses_and_batches_as_chapter_5(ops_A, model, positions):
     cfg, _ = model
     for x, pos, msg in [(np.ones((2, 8, 256), np.float32), np.array([1, 2, 3]), "pos of shape"),
                         (np.ones(32, np.float32), 1, "n_rot"), (np.ones(256, np.float32), -1, "positions must be"),
-                        (np.ones(256, np.float32), 1 << 24, "positions must be")]:
+                        (np.ones(256, np.float32), 1 << 24, "positions must be"),
+                        (np.ones(256, np.float32), True, "positions must be")]:
         with pytest.raises(ValueError, match=msg):
             numba.rope(x, pos, cfg, 0)
     Q = np.stack([ops_A[f"L3.P{p}.q_normed"] for p in positions])

@@ -167,8 +167,9 @@ def numba_rope(x, pos, cfg, ratio: int, inverse: bool = False) -> np.ndarray:
     Mirrors ds4.c: rope_tail_layer_inplace (l. 4830)"""
     x = np.array(x, dtype=np.float32)
     n_rot = cfg.n_rot
-    if (not isinstance(pos, (int, np.integer)) or not 0 <= pos < 1 << 24
-            or n_rot % 2 or x.ndim == 0 or x.shape[-1] < n_rot):
+    one = isinstance(pos, (int, np.integer)) and not isinstance(pos, bool)
+    if (not one or not 0 <= pos < 1 << 24 or n_rot % 2 or x.ndim == 0
+            or x.shape[-1] < n_rot):
         return rope_tail(x, pos, cfg, ratio, inverse)
     c, s = rope_cos_sin(int(pos), cfg, ratio)
     rope_rotate_kernel(x.reshape(-1, x.shape[-1]), c, -s if inverse else s)
