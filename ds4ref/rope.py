@@ -100,6 +100,16 @@ def rope_theta(pos, cfg, compress_ratio: int) -> np.ndarray:
     return (prm["freq_scale"] * ext) * (np.float32(1.0) - ramp) + ext * ramp
 
 
+def rope_cos_sin(pos, cfg, compress_ratio: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) of the angles at pos, each times the layer's mscale: float32
+    [*pos.shape, n_rot/2] each.
+
+    Mirrors ds4.c: rope_tail_ext_inplace (l. 4766), its cos/sin"""
+    mscale = rope_params(cfg, compress_ratio)["mscale"]
+    theta = rope_theta(pos, cfg, compress_ratio)
+    return np.cos(theta) * mscale, np.sin(theta) * mscale
+
+
 def rope_tail(x, pos, cfg, compress_ratio: int, inverse: bool = False) -> np.ndarray:
     """Rotate the last n_rot dims of x [..., head_dim] in adjacent pairs by the angles
     at pos; returns a new array.
@@ -122,11 +132,10 @@ def rope_tail(x, pos, cfg, compress_ratio: int, inverse: bool = False) -> np.nda
             f"rope_tail: pos of shape {pos.shape} does not match the leading "
             f"dims of x {x.shape}"
         )
-    mscale = rope_params(cfg, compress_ratio)["mscale"]
-    theta = rope_theta(pos, cfg, compress_ratio)  # [*pos.shape, n_rot/2]
-    theta = theta.reshape(pos.shape + (1,) * (x.ndim - 1 - pos.ndim) + theta.shape[-1:])
-    c = np.cos(theta) * mscale
-    s = np.sin(theta) * mscale
+    c, s = rope_cos_sin(pos, cfg, compress_ratio)  # [*pos.shape, n_rot/2]
+    # one angle per pair, the same for every head of a token
+    lead = pos.shape + (1,) * (x.ndim - 1 - pos.ndim)
+    c, s = c.reshape(lead + c.shape[-1:]), s.reshape(lead + s.shape[-1:])
     if inverse:
         s = -s
     x0, x1 = x[..., -n_rot::2].copy(), x[..., -n_rot + 1::2].copy()

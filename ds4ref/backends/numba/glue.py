@@ -14,7 +14,7 @@ from ds4ref.hc import hc_split_sinkhorn
 from ds4ref.quant import Q8Act, Q8KAct, _finite_f32
 from ds4ref.quant import quantize_q8_0 as _quantize_q8_0_np
 from ds4ref.quant import quantize_q8_K as _quantize_q8_K_np
-from ds4ref.rope import rope_params, rope_tail, rope_theta
+from ds4ref.rope import rope_cos_sin, rope_tail
 
 
 @njit(inline="always", error_model="numpy")
@@ -149,13 +149,11 @@ def rope_rotate_kernel(x, c, s):
 
 
 @lru_cache(maxsize=256)
-def rope_cos_sin(pos: int, cfg, ratio: int):
-    """(cos, sin) of position pos's angles times mscale, float32 [n_rot/2] (read-only),
-    as chapter 5's rope_tail computes them: once per position, config and ratio.
+def cached_rope_cos_sin(pos: int, cfg, ratio: int):
+    """Chapter 5's rope_cos_sin of one position, once per position, config and ratio
+    (read-only arrays, shared by the calls).
     Mirrors ds4.c: rope_tail_ext_inplace (l. 4766), its angles"""
-    theta = rope_theta(pos, cfg, ratio)
-    mscale = rope_params(cfg, ratio)["mscale"]
-    c, s = np.cos(theta) * mscale, np.sin(theta) * mscale
+    c, s = rope_cos_sin(pos, cfg, ratio)
     c.flags.writeable = s.flags.writeable = False
     return c, s
 
@@ -165,12 +163,12 @@ def numba_rope(x, pos, cfg, ratio: int, inverse: bool = False) -> np.ndarray:
     the pairs rotated by rope_rotate_kernel; positions of a batch, and anything
     rope_tail refuses, go to rope_tail.
     Mirrors ds4.c: rope_tail_layer_inplace (l. 4830)"""
-    x = np.array(x, dtype=np.float32)
-    n_rot = cfg.n_rot
+    shape, n_rot = np.shape(x), cfg.n_rot
     one = isinstance(pos, (int, np.integer)) and not isinstance(pos, bool)
-    if (not one or not 0 <= pos < 1 << 24 or n_rot % 2 or x.ndim == 0
-            or x.shape[-1] < n_rot):
+    if (not one or not 0 <= pos < 1 << 24 or n_rot % 2 or not shape
+            or shape[-1] < n_rot):
         return rope_tail(x, pos, cfg, ratio, inverse)
-    c, s = rope_cos_sin(int(pos), cfg, ratio)
+    x = np.array(x, dtype=np.float32)
+    c, s = cached_rope_cos_sin(int(pos), cfg, ratio)
     rope_rotate_kernel(x.reshape(-1, x.shape[-1]), c, -s if inverse else s)
     return x
