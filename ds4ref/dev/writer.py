@@ -28,6 +28,24 @@ def _string(s: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
+class SparseFileError(DS4RefError, OSError):
+    """The filesystem cannot make holes: a hole-mode file would take its full size."""
+
+
+def sparse_files_supported(directory) -> bool:
+    """Whether files in `directory` can have holes (64 MiB made by truncate: < 1 MiB).
+
+    Mirrors ds4.c: none (a test helper of the writer)"""
+    probe = Path(directory) / f".ds4ref-sparse-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.truncate(64 << 20)
+            blocks = getattr(os.fstat(f.fileno()), "st_blocks", None)
+    finally:
+        probe.unlink(missing_ok=True)
+    return blocks is not None and blocks * 512 < 1 << 20
+
+
 def encode_value(vtype: tuple, value) -> bytes:
     """One metadata value in GGUF v3 layout; vtype is a type tuple such as (ARRAY,
     UINT32).
@@ -58,24 +76,6 @@ class TensorData:
     @property
     def nbytes(self) -> int:
         return type_nbytes(self.ggml_type, int(np.prod(self.shape, dtype=object)))
-
-
-class SparseFileError(DS4RefError, OSError):
-    """The filesystem cannot make holes: a hole-mode file would take its full size."""
-
-
-def sparse_files_supported(directory) -> bool:
-    """Whether files in `directory` can have holes (64 MiB made by truncate: < 1 MiB).
-
-    Mirrors ds4.c: none (a test helper of the writer)"""
-    probe = Path(directory) / f".ds4ref-sparse-probe-{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:
-            f.truncate(64 << 20)
-            blocks = getattr(os.fstat(f.fileno()), "st_blocks", None)
-    finally:
-        probe.unlink(missing_ok=True)
-    return blocks is not None and blocks * 512 < 1 << 20
 
 
 def write_gguf(path, metadata: list[tuple[str, tuple, object]],
@@ -165,12 +165,6 @@ def _float_values(
     return x * np.float32(gain / np.sqrt(n_in))
 
 
-def _quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    from gguf.quants import quantize
-    from gguf import GGMLQuantizationType
-    return quantize(x, GGMLQuantizationType.Q8_0)
-
-
 # byte positions of the f16 scales in one block (d, dmin), and dmin / d
 _SCALE_FIELDS = {
     T.IQ2_XXS: (0, None, 0.0),
@@ -219,6 +213,12 @@ def _unit_rms(ggml_type: GGMLType) -> float:
     blocks = _random_blocks(ggml_type, 512, np.random.default_rng(0), 1.0)
     w = dequantize(blocks, GGMLQuantizationType(int(ggml_type)))
     return float(np.sqrt(np.mean(w.astype(np.float64) ** 2)))
+
+
+def _quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    from gguf.quants import quantize
+    from gguf import GGMLQuantizationType
+    return quantize(x, GGMLQuantizationType.Q8_0)
 
 
 def _tensor_chunks(spec: TensorSpec, ggml_type: GGMLType, cfg: ModelConfig, seed: int):
