@@ -10,11 +10,18 @@ import functools
 import os
 import sys
 
+import time
+
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ds4ref.backend import NUMPY
 from ds4ref.backends.numba import f16, isa, q8_0
+from ds4ref.backends.numba.isa import B32, H16, V8
 from ds4ref.backends.numba.iq2_xxs import avx2 as iq2_avx2
 from ds4ref.backends.numba.iq2_xxs import lanes as iq2_lanes
 from ds4ref.backends.numba.iq2_xxs import portable as iq2_port
@@ -249,7 +256,10 @@ def ladder(tokens=(1, 32), repeats: int = 15, pool_bytes: int = POOL_BYTES,
     floor = bandwidth["best"]
     for r in results:
         r["of_floor"] = r["gb_per_s"] / floor
+    peak = ({"1": byte_dot_peak(1), "all": byte_dot_peak(numba.get_num_threads())}
+            if "avx2" in isa.host_simd() else None)
     return {**run_stamp(), "machine": machine(), "load_average": list(os.getloadavg()),
+            "byte_dot_peak_macs_per_s": peak,
             "flags": {"DS4REF_SIMD": os.environ.get("DS4REF_SIMD"),
                       "NUMBA_CPU_NAME": os.environ.get("NUMBA_CPU_NAME"),
                       "threading_layer": numba.threading_layer()},
@@ -267,14 +277,74 @@ def print_ladder(report: dict) -> None:
           f"floor {report['floor_gb_per_s']:.1f} GB/s, {report['date'][:10]}")
     print(f"{'format':8} {'T':>3} {'rung':30} {'ms':>8} {'GB/s':>6} {'quartiles':>11}"
           f" {'floor':>6} bits")
+    peak = report.get("byte_dot_peak_macs_per_s")
     for r in report["results"]:
         ms = r["median_s"] * 1e3
         q = r.get("quartiles_s")
         iqr = (f"{r['weight_bytes'] / q[1] / 1e9:5.1f}-"
                f"{r['weight_bytes'] / q[0] / 1e9:<5.1f}" if q else "")
+        roof = ""
+        if peak and r["tokens"] > 1 and r["type"] != "F16":
+            roof = f" {int8_macs(report, r) / r['median_s'] / peak['all']:5.0%} of peak"
         print(f"{r['type']:8} {r['tokens']:3d} {r['rung']:30} {ms:8.3f}"
               f" {r['gb_per_s']:6.2f} {iqr:>11} {r['of_floor']:6.0%} "
-              f"{'same' if r['same_as_reference'] else 'DIFFER'}")
+              f"{'same' if r['same_as_reference'] else 'DIFFER'}{roof}")
+
+
+# int8 multiply-adds in one round of the peak loop: 8 registers of 32 byte products
+PEAK_MACS_PER_ROUND = 8 * 32
+
+
+@intrinsic
+def _byte_dot_rounds(typingctx, rounds):
+    """rounds of the AVX2 byte-dot step on registers alone -> the int32 sum: 8
+    independent accumulators, each += vpmaddwd(vpmaddubsw(a_k, b), 1), with b changed
+    every round so that LLVM cannot hoist the products out of the loop."""
+    def codegen(context, builder, sig, args):
+        maddubs = isa.ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", H16, [B32] * 2)
+        maddwd = isa.ir_fn(builder, "llvm.x86.avx2.pmadd.wd", V8, [H16] * 2)
+        reduce = isa.ir_fn(builder, "llvm.vector.reduce.add.v8i32", ir.IntType(32),
+                           [V8])
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(V8, [0] * 8))
+                for _ in range(8)]
+        b = cgutils.alloca_once_value(builder, ir.Constant(B32, [1] * 32))
+        with cgutils.for_range(builder, args[0]):
+            bv = builder.add(builder.load(b), ir.Constant(B32, [1] * 32))
+            builder.store(bv, b)
+            for k, acc in enumerate(accs):
+                pairs = builder.call(maddubs, [ir.Constant(B32, [k + 2] * 32), bv])
+                dots = builder.call(maddwd, [pairs, ir.Constant(H16, [1] * 16)])
+                builder.store(builder.add(builder.load(acc), dots), acc)
+        total = builder.load(accs[0])
+        for acc in accs[1:]:
+            total = builder.add(total, builder.load(acc))
+        return builder.call(reduce, [total])
+    return types.int32(types.intp), codegen
+
+
+@numba.njit(parallel=True)
+def _byte_dot_peak_kernel(rounds, out):
+    for t in prange(out.shape[0]):
+        out[t] = _byte_dot_rounds(rounds)
+
+
+def byte_dot_peak(threads: int, rounds: int = 2_000_000) -> float:
+    """The int8 multiply-adds per second of `threads` threads doing nothing but the
+    byte-dot step the AVX2 kernels are built on: the compute roof of a prefill, as
+    the read bandwidth is the floor of a decode. The best of 5 timings."""
+    out = np.zeros(threads, np.int32)
+    _byte_dot_peak_kernel(1000, out)                 # compile and wake the threads
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        _byte_dot_peak_kernel(rounds, out)
+        best = min(best, time.perf_counter() - t0)
+    return threads * rounds * PEAK_MACS_PER_ROUND / best
+
+
+def int8_macs(report: dict, r: dict) -> float:
+    """The multiply-adds of one rung's call: its weights times its tokens."""
+    return r["weight_bytes"] / report["bytes_per_weight"][r["type"]] * r["tokens"]
 
 
 def main(argv=None) -> int:
