@@ -279,9 +279,12 @@ def print_ladder(report: dict) -> None:
     m = report["machine"]
     print(f"{m['cpu']} ({m['llvm_cpu']}, {m['numba_threads']} threads), "
           f"floor {report['floor_gb_per_s']:.1f} GB/s, {report['date'][:10]}")
+    peak = report.get("byte_dot_peak_macs_per_s")
+    print("byte-dot peak: " + (f"{peak['all'] / 1e9:.0f} G int8 multiply-adds/s "
+                               f"({peak['1'] / 1e9:.0f} G on one thread)" if peak
+                               else "not measured in this run"))
     print(f"{'format':8} {'T':>3} {'rung':30} {'ms':>8} {'GB/s':>6} {'quartiles':>11}"
           f" {'floor':>6} bits")
-    peak = report.get("byte_dot_peak_macs_per_s")
     for r in report["results"]:
         ms = r["median_s"] * 1e3
         q = r.get("quartiles_s")
