@@ -9,7 +9,6 @@ import argparse
 import functools
 import os
 import sys
-
 import time
 
 import numba
@@ -229,8 +228,7 @@ def ladder(tokens=(1, 32), repeats: int = 15, pool_bytes: int = POOL_BYTES,
     rng = np.random.default_rng(seed)
     buf = np.ones(pool_bytes // 4 * 2, np.float32)
     floors, results = [], []
-    early_peak = ({"1": byte_dot_peak(1), "all": byte_dot_peak(numba.get_num_threads())}
-                  if "avx2" in isa.host_simd() else None)
+    early_peak = byte_dot_peaks()
     for kind, n_in, n_out, what in LADDER_SHAPES:
         pool = weight_pool(kind, n_in, n_out, pool_bytes, rng)
         if kind == "IQ2_XXS":
@@ -259,9 +257,8 @@ def ladder(tokens=(1, 32), repeats: int = 15, pool_bytes: int = POOL_BYTES,
     for r in results:
         r["of_floor"] = r["gb_per_s"] / floor
     # the roof at the end of the run as well as at its start: a roof is the best seen
-    peak = None if early_peak is None else {
-        k: max(v, byte_dot_peak(numba.get_num_threads() if k == "all" else 1))
-        for k, v in early_peak.items()}
+    late_peak = byte_dot_peaks()
+    peak = early_peak and {k: max(v, late_peak[k]) for k, v in early_peak.items()}
     return {**run_stamp(), "machine": machine(), "load_average": list(os.getloadavg()),
             "byte_dot_peak_macs_per_s": peak,
             "flags": {"DS4REF_SIMD": os.environ.get("DS4REF_SIMD"),
@@ -351,6 +348,14 @@ def byte_dot_peak(threads: int, rounds: int = 4_000_000, repeats: int = 15) -> f
         best = min(best, time.perf_counter() - t0)
     numba.set_num_threads(before)
     return threads * rounds * PEAK_MACS_PER_ROUND / best
+
+
+def byte_dot_peaks() -> dict | None:
+    """byte_dot_peak on one thread ("1") and on all of numba's ("all"); None on a CPU
+    without AVX2, where the peak loop cannot run."""
+    if "avx2" not in isa.host_simd():
+        return None
+    return {"1": byte_dot_peak(1), "all": byte_dot_peak(numba.get_num_threads())}
 
 
 def int8_macs(report: dict, r: dict) -> float:
