@@ -9,8 +9,9 @@ import os
 
 import numpy as np
 from llvmlite import binding as _llvm_binding, ir
-from numba import config, get_num_threads, njit, set_num_threads
+from numba import config, get_num_threads, njit, set_num_threads, types
 from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ds4ref.backends.common import expert_ids
 from ds4ref.gguf import DS4RefError
@@ -190,6 +191,19 @@ def sum4_blocks(builder, hadd, sums):
             for ks in (range(4), range(4, 8))]
     s = builder.add(*half)
     return [builder.extract_element(s, ir.Constant(I32, k)) for k in range(4)]
+
+
+@intrinsic
+def prefetch(typingctx, addr):
+    """Ask the CPU to bring the cache line at byte address addr toward L1 (no fault,
+    no result): llvm.prefetch, read, high locality."""
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fn = ir_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p] + [I32] * 3)
+        builder.call(fn, [builder.inttoptr(args[0], i8p)] +
+                     [ir.Constant(I32, v) for v in (0, 3, 1)])
+        return context.get_dummy_value()
+    return types.void(types.intp), codegen
 
 
 def lanes_operands(q: np.ndarray, d: np.ndarray, lanes: int, block: int, biased: bool):

@@ -11,7 +11,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ds4ref.backends.numba.isa import (F32, I8, I16, I32, VEC, f16_at, lanes_operands,
-                                       ir_addr, ir_fn, ir_splat, simd_kernels,
+                                       ir_addr, ir_fn, ir_splat, prefetch, simd_kernels,
                                        sum4_blocks)
 
 
@@ -115,6 +115,10 @@ def q8_0_avx2_lanes_operands(xq: np.ndarray, xd: np.ndarray):
     return lanes_operands(xq, xd, Q8_0_AVX2_LANES, 32, biased=False)
 
 
+# how far ahead, in bytes, the one-row kernel asks for its weights: a page
+Q8_0_AHEAD = 4096
+
+
 @njit(inline="always")
 def q8_0_row_avx2(w, r, xq, xd, t, lut):
     """Row r of w against token t, four blocks per intrinsic call; the float sum in
@@ -125,6 +129,9 @@ def q8_0_row_avx2(w, r, xq, xd, t, lut):
     acc = np.float32(0.0)
     b = 0
     while b + 4 <= nb:
+        # the lines Q8_0_AHEAD bytes on: two per four blocks (136 bytes)
+        prefetch(wr + 34 * b + Q8_0_AHEAD)
+        prefetch(wr + 34 * b + Q8_0_AHEAD + 64)
         s0, s1, s2, s3 = _q8_0_dot4_avx2(wr + 34 * b, 34, xr + 32 * b, 32)
         acc += (f16_at(lut, w, r, 34 * b) * xd[t, b]) * np.float32(s0)
         acc += (f16_at(lut, w, r, 34 * b + 34) * xd[t, b + 1]) * np.float32(s1)

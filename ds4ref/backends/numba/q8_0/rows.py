@@ -10,7 +10,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ds4ref.backends.numba.isa import (F32, I16, I32, I64, VEC, ir_addr, ir_fn,
-                                       ir_splat, simd_kernels)
+                                       ir_splat, prefetch, simd_kernels)
 from ds4ref.backends.numba.q8_0.avx2 import q8_0_row_avx2, sign_dot
 from ds4ref.backends.numba.q8_0.vnni import q8_0_row_vnni
 
@@ -102,19 +102,6 @@ _rows_vnni_1, _rows_vnni_4 = (_q8_0_rows_intrinsic("avx512vnni", k) for k in (1,
 _rows_avx2_1, _rows_avx2_4 = (_q8_0_rows_intrinsic("avx2", k) for k in (1, 4))
 
 
-@intrinsic
-def _prefetch(typingctx, addr):
-    """Ask the CPU to bring the cache line at byte address addr toward L1 (no fault,
-    no result): llvm.prefetch, read, high locality."""
-    def codegen(context, builder, sig, args):
-        i8p = ir.IntType(8).as_pointer()
-        fn = ir_fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p] + [I32] * 3)
-        builder.call(fn, [builder.inttoptr(args[0], i8p)] +
-                     [ir.Constant(I32, v) for v in (0, 3, 1)])
-        return context.get_dummy_value()
-    return types.void(types.intp), codegen
-
-
 @njit(inline="always")
 def _q8_0_tile(rows1, rows4, R, w, tile, xr, cr, dr, acc):
     """acc = rows R tile .. R tile + R - 1 of w against one token (addresses: xr its
@@ -129,8 +116,8 @@ def _q8_0_tile(rows1, rows4, R, w, tile, xr, cr, dr, acc):
     a, b = acc.ctypes.data, 0
     while b + 4 <= nb:
         for j in range(R):
-            _prefetch(ahead + j * stride + 34 * b)
-            _prefetch(ahead + j * stride + 34 * b + 64)
+            prefetch(ahead + j * stride + 34 * b)
+            prefetch(ahead + j * stride + 34 * b + 64)
         rows4(wt + 34 * b, stride, xr + 32 * b, cr + 4 * b, dr + 4 * b, a)
         b += 4
     while b < nb:
