@@ -13,35 +13,78 @@ from ds4ref.config_keys import (  # noqa: F401
 from ds4ref.gguf import GGUFError, GGUFValueType as V
 
 
+class _Shapes:
+    """ModelConfig's constructors (the book's three shapes, a GGUF's metadata) and its
+    metadata writer, kept out of the open cell."""
+
+    @classmethod
+    def real(cls) -> "ModelConfig":
+        """DeepSeek V4 Flash as ds4.c compiles it (the enum at ds4.c l. 86-109)."""
+        return cls(
+            **DS4_SHAPE,
+            compress_ratios=tuple(layer_compress_ratio(i) for i in range(43)),
+        )
+
+    @classmethod
+    def tiny(cls) -> "ModelConfig":
+        """The tiny shape the ds4.c oracle was recorded on (data/oracle/README.md)."""
+        return cls(n_layer=6, n_embd=256, n_vocab=1024, n_head=8, n_head_kv=1,
+                   head_dim=256, value_dim=256, n_rot=64, n_lora_q=64, n_lora_o=64,
+                   n_out_group=4, n_expert=16, n_expert_used=6, n_ff_exp=256,
+                   n_expert_shared=1, n_hash_layer=3, n_swa=128, n_indexer_head=8,
+                   indexer_head_dim=128, indexer_top_k=16, n_hc=4, hc_sinkhorn_iter=20,
+                   compress_ratios=tuple(layer_compress_ratio(i) for i in range(6)))
+
+    @classmethod
+    def wide(cls) -> "ModelConfig":
+        """Real widths with 2 layers and a 1024-token vocab: the benchmark model (about
+        4 GB)."""
+        return replace(cls.real(), n_layer=2, n_vocab=1024, compress_ratios=(0, 0))
+
+    # reading and writing metadata: the functions after config_validate_model
+    @classmethod
+    def from_metadata(cls, md: dict, types: dict | None = None) -> "ModelConfig":
+        return config_from_metadata(md, types)
+
+    @classmethod
+    def from_gguf(cls, g) -> "ModelConfig":
+        return config_from_metadata(g.metadata, g.metadata_types)
+
+    def to_metadata(self) -> list:
+        return config_to_metadata(self)
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Shapes):
     """The DS4 shape and constants, read from `deepseek4.*` metadata and checked for
     consistency.
 
     Mirrors ds4.c: config_validate_model (l. 2564)"""
-    n_layer: int
-    n_embd: int
-    n_vocab: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    value_dim: int
-    n_rot: int
-    n_lora_q: int
-    n_lora_o: int
-    n_out_group: int
-    n_expert: int
-    n_expert_used: int
-    n_ff_exp: int
-    n_expert_shared: int
-    n_hash_layer: int
-    n_swa: int
-    n_indexer_head: int
-    indexer_head_dim: int
-    indexer_top_k: int
-    n_hc: int
-    hc_sinkhorn_iter: int
-    compress_ratios: tuple[int, ...]
+    # the shape; ds4.c's values after each (DS4_N_LAYER ... in its enum)
+    n_layer: int              # 43 transformer blocks
+    n_embd: int               # 4096, one residual stream
+    n_vocab: int              # 129280 tokens
+    n_head: int               # 64 query heads
+    n_head_kv: int            # 1 shared KV head
+    head_dim: int             # 512 per head
+    value_dim: int            # 512: the KV row is key and value
+    n_rot: int                # 64 RoPE'd dims, the tail of each head
+    n_lora_q: int             # 1024, the low-rank query
+    n_lora_o: int             # 1024, the low-rank output, per group
+    n_out_group: int          # 8 groups of heads in the output projection
+    n_expert: int             # 256 routed experts
+    n_expert_used: int        # 6 of them per token
+    n_ff_exp: int             # 2048, an expert's hidden width
+    n_expert_shared: int      # 1 shared expert
+    n_hash_layer: int         # 3 first layers route by token id
+    n_swa: int                # 128 raw rows in the sliding window
+    n_indexer_head: int       # 64 indexer heads
+    indexer_head_dim: int     # 128
+    indexer_top_k: int        # 512 compressed rows picked
+    n_hc: int                 # 4 hyper-connection streams
+    hc_sinkhorn_iter: int     # 20 Sinkhorn passes
+    compress_ratios: tuple[int, ...]   # per layer: 0, 0, then 4 and 128 alternating
+    # constants that are not shape: the file must agree with ds4.c's
     rope_freq_base: float = 10000.0
     rope_scale_factor: float = 16.0
     yarn_beta_fast: float = 32.0
@@ -54,10 +97,9 @@ class ModelConfig:
     swiglu_clamp: float = SWIGLU_CLAMP
 
     def __post_init__(self):
-        object.__setattr__(
-            self, "compress_ratios", tuple(int(r) for r in self.compress_ratios)
-        )
-        self.check()
+        ratios = tuple(int(r) for r in self.compress_ratios)
+        object.__setattr__(self, "compress_ratios", ratios)
+        config_validate_model(self)
         # like ds4.c, compute with the constants themselves once the file's values
         # passed the check
         for f, (_, want) in F32_KEYS.items():
@@ -66,198 +108,139 @@ class ModelConfig:
 
     # -- derived sizes used by the binding and by every later chapter
     @property
-    def hc_dim(self) -> int:
-        """Width of the flattened HC state: n_hc * n_embd."""
+    def hc_dim(self) -> int:       # the flattened HC state: n_hc * n_embd
         return self.n_hc * self.n_embd
 
     @property
-    def hc_mix(self) -> int:
-        """HC mixing parameters per sub-layer: n_hc pre + n_hc post + n_hc^2 comb."""
+    def hc_mix(self) -> int:       # per sub-layer: n_hc pre + n_hc post + n_hc^2 comb
         return 2 * self.n_hc + self.n_hc * self.n_hc
 
     @property
-    def q_dim(self) -> int:
+    def q_dim(self) -> int:        # all query heads side by side
         return self.n_head * self.head_dim
 
     @property
-    def out_low_dim(self) -> int:
-        """Rows of attn_output_a: one n_lora_o block per output group."""
+    def out_low_dim(self) -> int:  # rows of attn_output_a: n_lora_o per output group
         return self.n_out_group * self.n_lora_o
 
     def compress_ratio(self, il: int) -> int:
         """Compress ratio of layer il (0, 4 or 128)."""
         if not 0 <= il < self.n_layer:
-            raise GGUFError(
-                f"layer index {il} is outside the model's {self.n_layer} layers"
-            )
+            raise GGUFError(f"layer index {il} is outside the model's {self.n_layer} "
+                            "layers")
         return self.compress_ratios[il]
 
-    def check(self) -> None:
-        """Raise GGUFError naming the key if the shape cannot be a DS4 model.
 
-        ds4.c requires every value to equal its compiled-in shape; we require that of
-        the PINNED values, bound the others by ds4.c's (a loop or an array sized by one
-        can then be no larger than in ds4.c), and keep the checks that hold for any
-        shape.
-        Mirrors ds4.c: config_validate_model (l. 2564)"""
-        def bad(field, why):
-            key = U32_KEYS.get(field, field)
-            raise GGUFError(f"metadata key '{ARCH}.{key}': {why}")
+def config_validate_model(cfg: ModelConfig) -> None:
+    """Raise GGUFError naming the key if the shape cannot be a DS4 model.
 
-        for f in U32_KEYS:
-            v = getattr(self, f)
-            if (
-                not isinstance(v, (int, np.integer))
-                or isinstance(v, bool)
-                or not 0 < v < 2**32
-            ):
-                bad(f, f"expected a positive 32-bit integer, got {v!r}")
-        if self.n_head_kv != 1:
-            bad("n_head_kv", f"ds4 has one shared KV head, got {self.n_head_kv}")
-        if self.value_dim != self.head_dim:
-            bad(
-                "value_dim",
-                "the KV row is key and value, so value_length must equal key_length "
-                f"({self.head_dim}), got {self.value_dim}",
-            )
-        if self.n_expert_shared != 1:
-            bad(
-                "n_expert_shared",
-                f"ds4 has exactly one shared expert, got {self.n_expert_shared}",
-            )
-        if self.indexer_head_dim != 128:
-            bad(
-                "indexer_head_dim",
-                "the indexer's Hadamard-128 QAT needs 128, got "
-                f"{self.indexer_head_dim}",
-            )
-        if self.head_dim == self.indexer_head_dim:
-            bad(
-                "head_dim",
-                "must differ from the indexer key length (the compressor tells its "
-                "two lanes apart by width)",
-            )
+    ds4.c requires every value to equal its compiled-in shape; we require that of
+    the PINNED values, bound the others by ds4.c's (a loop or an array sized by one
+    can then be no larger than in ds4.c), and keep the checks that hold for any
+    shape.
+    Mirrors ds4.c: config_validate_model (l. 2564)"""
+    def bad(field, why):
+        key = U32_KEYS.get(field, field)
+        raise GGUFError(f"metadata key '{ARCH}.{key}': {why}")
+
+    for f in U32_KEYS:
+        v = getattr(cfg, f)
         if (
-            self.n_rot % 2
-            or self.n_rot > self.indexer_head_dim
-            or (self.head_dim - self.n_rot) % 64
+            not isinstance(v, (int, np.integer))
+            or isinstance(v, bool)
+            or not 0 < v < 2**32
         ):
+            bad(f, f"expected a positive 32-bit integer, got {v!r}")
+    if cfg.n_head_kv != 1:
+        bad("n_head_kv", f"ds4 has one shared KV head, got {cfg.n_head_kv}")
+    if cfg.value_dim != cfg.head_dim:
+        bad(
+            "value_dim",
+            "the KV row is key and value, so value_length must equal key_length "
+            f"({cfg.head_dim}), got {cfg.value_dim}",
+        )
+    if cfg.n_expert_shared != 1:
+        bad(
+            "n_expert_shared",
+            f"ds4 has exactly one shared expert, got {cfg.n_expert_shared}",
+        )
+    if cfg.indexer_head_dim != 128:
+        bad(
+            "indexer_head_dim",
+            "the indexer's Hadamard-128 QAT needs 128, got "
+            f"{cfg.indexer_head_dim}",
+        )
+    if cfg.head_dim == cfg.indexer_head_dim:
+        bad(
+            "head_dim",
+            "must differ from the indexer key length (the compressor tells its "
+            "two lanes apart by width)",
+        )
+    if (
+        cfg.n_rot % 2
+        or cfg.n_rot > cfg.indexer_head_dim
+        or (cfg.head_dim - cfg.n_rot) % 64
+    ):
+        bad(
+            "n_rot",
+            f"{cfg.n_rot} must be even, at most {cfg.indexer_head_dim}, "
+            "and leave a multiple "
+            f"of 64 un-rotated dims of {cfg.head_dim} (FP8 blocks)",
+        )
+    if cfg.n_head % cfg.n_out_group:
+        bad(
+            "n_out_group",
+            f"{cfg.n_out_group} groups do not divide {cfg.n_head} heads",
+        )
+    if cfg.n_expert_used > cfg.n_expert:
+        bad(
+            "n_expert_used",
+            f"{cfg.n_expert_used} used experts out of {cfg.n_expert}",
+        )
+    for f, block in (
+        ("n_embd", QK_K),
+        ("n_ff_exp", QK_K),
+        ("n_lora_q", 32),
+        ("head_dim", 32),
+        ("n_lora_o", 32),
+    ):
+        if getattr(cfg, f) % block:
             bad(
-                "n_rot",
-                f"{self.n_rot} must be even, at most {self.indexer_head_dim}, "
-                "and leave a multiple "
-                f"of 64 un-rotated dims of {self.head_dim} (FP8 blocks)",
+                f, f"{getattr(cfg, f)} is not a multiple of {block} (quant blocks)"
             )
-        if self.n_head % self.n_out_group:
-            bad(
-                "n_out_group",
-                f"{self.n_out_group} groups do not divide {self.n_head} heads",
-            )
-        if self.n_expert_used > self.n_expert:
-            bad(
-                "n_expert_used",
-                f"{self.n_expert_used} used experts out of {self.n_expert}",
-            )
-        for f, block in (
-            ("n_embd", QK_K),
-            ("n_ff_exp", QK_K),
-            ("n_lora_q", 32),
-            ("head_dim", 32),
-            ("n_lora_o", 32),
-        ):
-            if getattr(self, f) % block:
-                bad(
-                    f, f"{getattr(self, f)} is not a multiple of {block} (quant blocks)"
-                )
-        if len(self.compress_ratios) != self.n_layer:
+    if len(cfg.compress_ratios) != cfg.n_layer:
+        bad(
+            "attention.compress_ratios",
+            f"{len(cfg.compress_ratios)} ratios for {cfg.n_layer} layers",
+        )
+    for il, r in enumerate(cfg.compress_ratios):
+        if r != layer_compress_ratio(il):
             bad(
                 "attention.compress_ratios",
-                f"{len(self.compress_ratios)} ratios for {self.n_layer} layers",
+                f"layer {il} has ratio {r}, ds4 requires "
+                f"{layer_compress_ratio(il)}",
             )
-        for il, r in enumerate(self.compress_ratios):
-            if r != layer_compress_ratio(il):
-                bad(
-                    "attention.compress_ratios",
-                    f"layer {il} has ratio {r}, ds4 requires "
-                    f"{layer_compress_ratio(il)}",
-                )
-        for f, (key, want) in F32_KEYS.items():
-            expect_f32(key, getattr(self, f), want)
-        expect_f32("swiglu_clamp_exp", self.swiglu_clamp, SWIGLU_CLAMP)
-        if self.rope_orig_ctx != ROPE_ORIG_CTX:
-            bad(
-                "rope.scaling.original_context_length",
-                f"expected {ROPE_ORIG_CTX}, got {self.rope_orig_ctx}",
-            )
-        self.check_bounds(bad)
-
-    def check_bounds(self, bad) -> None:
-        """The PINNED values equal ds4.c's, the others are at most ds4.c's.
-
-        Mirrors ds4.c: config_expect_u32 (l. 2536)"""
-        for f in PINNED:
-            if getattr(self, f) != DS4_SHAPE[f]:
-                bad(f, f"expected {DS4_SHAPE[f]} as ds4.c, got {getattr(self, f)}")
-        for f, top in DS4_SHAPE.items():
-            if getattr(self, f) > top:
-                bad(f, f"{getattr(self, f)} is more than ds4.c's {top} (a DS4 model "
-                       "is DeepSeek V4 Flash's shape or a smaller one)")
-
-    # -- the shapes of this book
-    @classmethod
-    def real(cls) -> "ModelConfig":
-        """DeepSeek V4 Flash as ds4.c compiles it (the enum at ds4.c l. 86-109)."""
-        return cls(
-            **DS4_SHAPE,
-            compress_ratios=tuple(layer_compress_ratio(i) for i in range(43)),
+    for f, (key, want) in F32_KEYS.items():
+        expect_f32(key, getattr(cfg, f), want)
+    expect_f32("swiglu_clamp_exp", cfg.swiglu_clamp, SWIGLU_CLAMP)
+    if cfg.rope_orig_ctx != ROPE_ORIG_CTX:
+        bad(
+            "rope.scaling.original_context_length",
+            f"expected {ROPE_ORIG_CTX}, got {cfg.rope_orig_ctx}",
         )
+    config_expect_u32(cfg, bad)
 
-    @classmethod
-    def tiny(cls) -> "ModelConfig":
-        """The tiny shape the ds4.c oracle was recorded on (data/oracle/README.md)."""
-        return cls(
-            n_layer=6,
-            n_embd=256,
-            n_vocab=1024,
-            n_head=8,
-            n_head_kv=1,
-            head_dim=256,
-            value_dim=256,
-            n_rot=64,
-            n_lora_q=64,
-            n_lora_o=64,
-            n_out_group=4,
-            n_expert=16,
-            n_expert_used=6,
-            n_ff_exp=256,
-            n_expert_shared=1,
-            n_hash_layer=3,
-            n_swa=128,
-            n_indexer_head=8,
-            indexer_head_dim=128,
-            indexer_top_k=16,
-            n_hc=4,
-            hc_sinkhorn_iter=20,
-            compress_ratios=tuple(layer_compress_ratio(i) for i in range(6)),
-        )
+def config_expect_u32(cfg: ModelConfig, bad) -> None:
+    """The PINNED values equal ds4.c's, the others are at most ds4.c's.
 
-    @classmethod
-    def wide(cls) -> "ModelConfig":
-        """Real widths with 2 layers and a 1024-token vocab: the benchmark model (about
-        4 GB)."""
-        return replace(cls.real(), n_layer=2, n_vocab=1024, compress_ratios=(0, 0))
-
-    # -- reading and writing metadata (functions below)
-    @classmethod
-    def from_metadata(cls, md: dict, types: dict | None = None) -> "ModelConfig":
-        return config_from_metadata(md, types)
-
-    @classmethod
-    def from_gguf(cls, g) -> "ModelConfig":
-        return config_from_metadata(g.metadata, g.metadata_types)
-
-    def to_metadata(self) -> list:
-        return config_to_metadata(self)
+    Mirrors ds4.c: config_expect_u32 (l. 2536)"""
+    for f in PINNED:
+        if getattr(cfg, f) != DS4_SHAPE[f]:
+            bad(f, f"expected {DS4_SHAPE[f]} as ds4.c, got {getattr(cfg, f)}")
+    for f, top in DS4_SHAPE.items():
+        if getattr(cfg, f) > top:
+            bad(f, f"{getattr(cfg, f)} is more than ds4.c's {top} (a DS4 model "
+                   "is DeepSeek V4 Flash's shape or a smaller one)")
 
 
 def _get(md: dict, types: dict | None, key: str, allowed: tuple):

@@ -130,10 +130,8 @@ class _Cursor:
 
 def _check_depth(depth: int, what: str) -> None:
     if depth > MAX_ARRAY_DEPTH:
-        raise GGUFError(
-            f"{what}: metadata value nested {depth} arrays deep (at most "
-            f"{MAX_ARRAY_DEPTH})"
-        )
+        raise GGUFError(f"{what}: metadata value nested {depth} arrays deep (at most "
+                        f"{MAX_ARRAY_DEPTH})")
 
 
 def _read_value(c: _Cursor, vtype: int, what: str, depth: int = 0):
@@ -232,10 +230,8 @@ def parse_header(c: _Cursor) -> tuple[int, int, int]:
     n_kv = c.u64("header (metadata count)")
     # a key/value pair takes at least 13 bytes, a directory entry at least 32
     if n_kv * 13 > c.size - c.pos:
-        raise GGUFError(
-            f"header: claims {n_kv} metadata keys, which cannot fit in the "
-            f"{c.size - c.pos} bytes that follow"
-        )
+        raise GGUFError(f"header: claims {n_kv} metadata keys, which cannot fit in the "
+                        f"{c.size - c.pos} bytes that follow")
     return version, n_tensors, n_kv
 
 
@@ -288,10 +284,8 @@ def read_tensor_entry(c: _Cursor, i: int, alignment: int, seen) -> tuple:
     rel = c.u64(f"{what} (offset)")
     per_block, block_bytes = GGML_BLOCK[t]
     if shape[0] % per_block:
-        raise GGUFError(
-            f"{what}: dim 0 = {shape[0]} is not a multiple of the "
-            f"{t.name} block ({per_block})"
-        )
+        raise GGUFError(f"{what}: dim 0 = {shape[0]} is not a multiple of the "
+                        f"{t.name} block ({per_block})")
     n = int(np.prod(shape, dtype=object))
     nbytes = n // per_block * block_bytes
     if rel % alignment:
@@ -414,6 +408,5 @@ class GGUFFile(_Mapping):
         self.version, n_tensors, n_kv = parse_header(c)
         self.metadata, self.metadata_types, self.alignment = parse_metadata(c, n_kv)
         self.tensors, self.data_offset, self.header_nbytes = parse_tensors(
-            c, n_tensors, self.alignment
-        )
+            c, n_tensors, self.alignment)
         self.size = c.size

@@ -35,13 +35,8 @@ class Tensor:
         per_block, block_bytes = GGML_BLOCK[info.ggml_type]
         row_bytes = info.shape[0] // per_block * block_bytes
         rows = info.nbytes // row_bytes if row_bytes else 0
-        return cls(
-            info.name,
-            info.ggml_type,
-            info.shape,
-            info.data.reshape(rows, row_bytes),
-            info.offset,
-        )
+        return cls(info.name, info.ggml_type, info.shape,
+                   info.data.reshape(rows, row_bytes), info.offset)
 
     @property
     def nbytes(self) -> int:
@@ -63,12 +58,9 @@ class Tensor:
             return raw.view("<f4").reshape(out_shape)
         if self.ggml_type == T.F16:
             return raw.view("<f2").astype(np.float32).reshape(out_shape)
-        if self.ggml_type == T.BF16:
-            return (
-                (raw.view("<u2").astype(np.uint32) << 16)
-                .view(np.float32)
-                .reshape(out_shape)
-            )
+        if self.ggml_type == T.BF16:  # the top 16 bits of a float32
+            bits = raw.view("<u2").astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(out_shape)
         if self.ggml_type == T.I32:
             return raw.view("<i4").reshape(out_shape)
         raise GGUFError(f"tensor '{self.name}': {self.ggml_type.name} is quantized, "
@@ -80,28 +72,19 @@ class Tensor:
 
         Mirrors ds4.c: tensor_expert_bytes (l. 3803)"""
         if len(self.shape) != 3:
-            raise GGUFError(
-                f"tensor '{self.name}': expert() needs a 3-D expert tensor, "
-                f"shape is {list(self.shape)}"
-            )
+            raise GGUFError(f"tensor '{self.name}': expert() needs a 3-D expert "
+                            f"tensor, shape is {list(self.shape)}")
         n_in, n_out, n_exp = self.shape
         if not 0 <= e < n_exp:
-            raise GGUFError(
-                f"tensor '{self.name}': expert {e} is outside 0..{n_exp - 1}"
-            )
-        return Tensor(
-            f"{self.name}[{e}]",
-            self.ggml_type,
-            (n_in, n_out),
-            self.data[e * n_out : (e + 1) * n_out],
-            self.offset + e * n_out * self.row_bytes,
-        )
+            raise GGUFError(f"tensor '{self.name}': expert {e} is outside "
+                            f"0..{n_exp - 1}")
+        return Tensor(f"{self.name}[{e}]", self.ggml_type, (n_in, n_out),
+                      self.data[e * n_out : (e + 1) * n_out],
+                      self.offset + e * n_out * self.row_bytes)
 
     def __repr__(self) -> str:
-        return (
-            f"Tensor({self.name!r}, {self.ggml_type.name}, "
-            f"shape={list(self.shape)}, {self.nbytes} bytes)"
-        )
+        return (f"Tensor({self.name!r}, {self.ggml_type.name}, "
+                f"shape={list(self.shape)}, {self.nbytes} bytes)")
 
 
 def f32_of(w) -> np.ndarray:
