@@ -110,8 +110,8 @@ ACCELERATORS = tuple((b.name, b.hardware, b.label) for b in sorted(
 def backend_status(name: str) -> tuple[bool, str]:
     """(usable here?, why) for one backend name, without building it.
 
-    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make cpu / metal /
-    cuda)"""
+    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make, make cuda, make
+    cpu)"""
     if name not in REGISTRY:
         raise BackendError(
             f"backend {name!r}: unknown; choose one of {', '.join(BACKENDS)} or 'auto'"
@@ -128,8 +128,8 @@ def hardware_present(hw: str) -> bool:
     """Whether this machine has the hardware kind `hw` ("cpu", "cuda", "apple-gpu") and
     its package.
 
-    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make cpu / metal /
-    cuda)"""
+    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make, make cuda, make
+    cpu)"""
     if hw == "cpu":
         return True
     if hw == "cuda":
@@ -152,8 +152,8 @@ def choose_backend(verified: dict | None = None) -> tuple[str, str]:
     `verified` (default VERIFIED) for its hardware and that hardware present; else numba
     on the CPU if numba imports, else numpy.
 
-    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make cpu / metal /
-    cuda)"""
+    Mirrors ds4.c: nothing (ds4.c picks its backend at build time: make, make cuda, make
+    cpu)"""
     verified = VERIFIED if verified is None else verified
     unverified = []
     for name, hw, label in ACCELERATORS:

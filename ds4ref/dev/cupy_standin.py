@@ -11,9 +11,10 @@ import types
 import numpy as np
 
 from ds4ref.gguf import DS4RefError
-from ds4ref import matvec as ref_mv  # the twins' references: chapter 3's matvecs,
-from ds4ref import ops as ref_ops    # chapter 5's sink attention, chapter 4's norms
-from ds4ref.compressor import compressor_pool as ref_pool   # and chapter 6's pooling
+# the twins' references: the numpy matvecs, sink attention, norms and pooling
+from ds4ref import matvec as ref_mv
+from ds4ref import ops as ref_ops
+from ds4ref.compressor import compressor_pool as ref_pool
 from ds4ref.norms import rms_norm_no_weight, rms_norm_weight
 from ds4ref.quant import Q8Act, Q8KAct, iq2xxs_grid
 
