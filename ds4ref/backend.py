@@ -71,10 +71,10 @@ KERNELS_BY_TYPE = {
 # what the layers call on `be`, for any leading token shape
 KERNELS = (
     "project",          # y = W x by the matvec of W's type (KERNELS_BY_TYPE)
-    "project_grouped",  # the grouped output projection (chapter 5)
-    "attention",        # one token's sink attention over its cache rows (chapter 5)
-    "experts_mid",      # the routed experts' SwiGLU of T tokens (chapter 7)
-    "experts_down",     # their down projections, summed in slot order (chapter 7)
+    "project_grouped",  # the grouped output projection of attention
+    "attention",        # one token's sink attention over its cache rows
+    "experts_mid",      # the routed experts' SwiGLU of T tokens
+    "experts_down",     # their down projections, summed in slot order
 )
 # exact helpers (integer codes, table roundings, a row read): numpy's serve every
 # host backend and strict mode never refuses them; a device backend runs its own
@@ -83,8 +83,8 @@ GLUE = ("embed", "quantize_q8_0", "quantize_q8_K", "fp8_kv", "indexer_qat", "rop
 # where the model's arrays and weights live: its array library, a weight as the kernels
 # read it, the crossings between host and device, and a lazy library's compute point
 PLACEMENT = ("xp", "place", "place_layer", "upload", "download", "evaluate")
-# the seam: all that the model may call on a backend (chapter 9 maps it to ds4.c's
-# ds4_gpu.h; a test traces a forward pass and checks that it calls nothing else)
+# the seam: all that the model may call on a backend (ds4.c's ds4_gpu.h is its
+# counterpart; a test traces a forward pass and checks that it calls nothing else)
 SEAM = {"kernels": KERNELS, "glue": GLUE, "placement": PLACEMENT}
 # the type kernels: one matvec (and pair) per weight type
 TYPE_KERNELS = tuple(k for ks in KERNELS_BY_TYPE.values() for k in ks)
@@ -147,10 +147,10 @@ class NumpyBackend:
     # matvec a token at a time
     f16_batch_invariant = False
     # whether a batch of tokens gets the bits of decoding them one by one (MTP's
-    # verification, chapter 10, relies on it): numpy's own kernels only; a subclass
+    # verification relies on it): numpy's own kernels only; a subclass
     # that declares nothing is taken not to
     batch_is_decode = True
-    # the type kernels: chapters 2-3's references
+    # the type kernels: the numpy references
     matvec_q8_0_prequant = staticmethod(matvec_q8_0_prequant)
     matvec_f16 = staticmethod(matvec_f16)
     matvec_f32 = staticmethod(matvec_f32)
@@ -158,7 +158,7 @@ class NumpyBackend:
     matvec_iq2_xxs_q8_K = staticmethod(matvec_iq2_xxs_q8_K)
     matvec_q2_K_q8_K = staticmethod(matvec_q2_K_q8_K)
     matvec_q4_K_q8_K = staticmethod(matvec_q4_K_q8_K)
-    # the glue: chapter 2's exact quantizers and cache roundings, chapter 5's RoPE
+    # the glue: the exact quantizers and cache roundings, RoPE
     quantize_q8_0 = staticmethod(quantize_q8_0)
     quantize_q8_K = staticmethod(quantize_q8_K)
     fp8_kv = staticmethod(fp8_kv_quantize_row)

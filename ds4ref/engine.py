@@ -67,7 +67,7 @@ class Engine:
     steering = None      # a Steering (directional steering), or None
     mtp = None           # an MTPModel (the MTP draft block), or None
     mtp_draft_tokens, mtp_margin = 1, 3.0
-    model = None         # chapter 8's Model on the backend: sessions run it
+    model = None         # the Model on the backend (ds4ref.model): sessions run it
     ctx_size, resident = 1024, False
 
     @classmethod

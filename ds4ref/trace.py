@@ -132,12 +132,12 @@ def check_decisions(cfg, force) -> None:
                                     f"allowed: all -1, or ids in [0, {top[p]})")
 
 
-from collections.abc import Iterable  # noqa: E402 (the module opens in chapter 6)
+from collections.abc import Iterable  # noqa: E402 (the module's header cell is earlier)
 from fnmatch import fnmatch
 
 import numpy as np
 
-from ds4ref.arrays import host_array  # noqa: F811 (imported in chapter 6's cell too)
+from ds4ref.arrays import host_array  # noqa: F811 (the header cell imports it too)
 
 
 class Trace:
