@@ -6,7 +6,7 @@ import numpy as np
 
 from ds4ref.arrays import f32
 from ds4ref.norms import head_rms_norm, rms_norm_weight
-# the sink attention op itself (section 5.4) lives below the backend, in ds4ref.ops
+# the sink attention op itself lives below the backend, in ds4ref.ops
 from ds4ref.ops import NEG_INF, attention_rows, attention_scores  # noqa: F401
 
 

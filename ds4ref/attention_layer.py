@@ -25,8 +25,8 @@ def attention_mixed(q, raw_rows, comp_rows, comp_allowed, sinks, be) -> np.ndarr
     heads [n_head, hd].
 
     comp_allowed: bool [n_comp] (the indexer's mask) or None (all rows visible). K = V:
-    each cached row is key and value. Computed by be.attention (the reference: chapter
-    05's attention_rows).
+    each cached row is key and value. Computed by be.attention (the reference:
+    ds4ref.attention.attention_rows).
     Mirrors ds4.c: layer_attention_mixed_one (l. 6700)"""
     return be.attention(q, raw_rows, comp_rows, sinks, comp_allowed)
 

@@ -110,8 +110,8 @@ def compressor_advance_state(state_kv, state_score, ratio: int) -> None:
 
 @dataclass(frozen=True, eq=False)
 class CompressorLane:
-    """One compressor lane of a layer: its weights (F16 wkv, wgate [coff*hd, n_embd];
-    F32 ape, norm) and its rolling state (state_kv, state_score [coff*ratio, coff*hd],
+    """One compressor lane of a layer: its weights (F16 wkv, wgate [coff*hd, n_embd],
+    ape; F32 norm) and its rolling state (state_kv, state_score [coff*ratio, coff*hd],
     updated in place). kind "attn" rounds the row to E4M3, "index" to Hadamard+FP4.
     Mirrors ds4.c: the wkv, wgate, ape, norm, state_kv, state_score arguments of
     compressor_decode_one (l. 6514)"""
