@@ -139,7 +139,7 @@ def mtp_draft_step(cfg, w, mtp: MTPWeights, cache: LayerCache, token: int, pos: 
                    prev_hc, be, block=None) -> tuple[np.ndarray, np.ndarray]:
     """One draft: (logits [n_vocab] for position pos + 1, block output [n_hc, n_embd]).
 
-    The block is a full decode layer (chapter 8's Block, placed once by the caller, or
+    The block is a full decode layer (ds4ref.model.Block, placed once by the caller, or
     here) over the MTP's own raw window `cache`.
     Mirrors ds4.c: metal_graph_eval_mtp_draft_from_hc (l. 12852)"""
     block = Block(cfg, mtp.block, be) if block is None else block
@@ -150,7 +150,7 @@ def mtp_draft_step(cfg, w, mtp: MTPWeights, cache: LayerCache, token: int, pos: 
 
 def forward_rows(model, cache, tokens, pos0: int, hooks=NO_HOOKS):
     """Logits [T, n_vocab] and final HC states [T, n_hc, n_embd] of T tokens at pos0..
-    on a live cache: chapter 8's model, one layer-major pass. The verifier.
+    on a live cache: ds4ref.model.Model, one layer-major pass. The verifier.
     Mirrors ds4.c: prefill_layer_major_cpu (l. 7763), started at pos0 instead of 0"""
     Xs = model.hidden(tokens, cache, pos0, hooks=hooks)
     logits = [model.logits(X, pos0 + t, hooks) for t, X in enumerate(Xs)]
@@ -322,7 +322,7 @@ def eval_speculative_argmax(s, first_token: int, max_tokens: int,
     The tokens are plain greedy decoding's. Without an MTP block (or with
     mtp_draft_tokens 1) it is one plain eval.
     Mirrors ds4.c: ds4_session_eval_speculative_argmax (l. 17790)"""
-    s._check_speculative(first_token, max_tokens, eos_token)  # chapter 8
+    s._check_speculative(first_token, max_tokens, eos_token)
     e = s.engine
     if e.mtp is None or e.mtp_draft_tokens <= 1:
         s.eval(int(first_token))
@@ -383,7 +383,7 @@ def open_mtp_options(engine, path, draft_tokens: int, margin: float, bundled: bo
     ds4.c's engine clamps the drafts into [1, 16] and takes a negative margin for its
     default 3, and its CLI refuses drafts below 1 and margins outside [0, 1000]; here
     anything outside those ranges is refused. With no path the bundled model gets the
-    bundled MTP GGUF (writer.default_mtp_path).
+    bundled MTP GGUF (ds4ref.bundled.default_mtp_path).
     Mirrors ds4.c: ds4_engine_open (l. 17165: drafts in [1, 16], margin default 3)"""
     n = integer("mtp_draft_tokens", draft_tokens, MTPError, 1, 16)
     margin = number("mtp_margin", margin, MTPError, 0, 1000)

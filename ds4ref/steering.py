@@ -109,8 +109,8 @@ def open_steering(cfg, path=None, attn: float = 0.0, ffn: float | None = None):
 def capture_rows(engine, tokens: Sequence[int], component: str = "ffn_out"):
     """The last token's `component` row of each layer, after a prefill [n_layer, n_embd]
 
-    component is "ffn_out" or "attn_out" (chapter 8's Trace names), as ds4.c's extractor
-    dumps them (ds4 -n 1 with DS4_METAL_GRAPH_DUMP_NAME).
+    component is "ffn_out" or "attn_out" (ds4ref.trace.Trace's names), as ds4.c's
+    extractor dumps them (ds4 -n 1 with DS4_METAL_GRAPH_DUMP_NAME).
     Mirrors ds4.c: dir-steering/tools/build_direction.py, run_capture"""
     from ds4ref.trace import Trace
     if component not in ("ffn_out", "attn_out"):
