@@ -20,8 +20,8 @@ def rel(ours, ds4) -> float:
 
 def below(err: float, bound: float, tol: float | None = None) -> str:
     """Check err < bound and return the claim "< 2e-06", with " (tolerance 1e-05)" when
-    tol is given, then the measured value "[measured 3.1e-08]" (the tests mask the
-    bracket: its digits depend on the machine, the claim does not)."""
+    tol is given, then the measured value "[measured 3.1e-08]" (its digits depend on
+    the machine, the claim does not)."""
     if not err < bound:  # also catches NaN
         raise AssertionError(
             f"error {err:.3e} is not below its stated bound {bound:.0e}"
