@@ -61,7 +61,7 @@ def results_path(*parts: str) -> Path:
 
 def default_model_path() -> Path:
     """The bundled model of `python -m ds4ref`: the tiny shape trained on the docstrings
-    of Python's standard library and quantized to ds4's mix (appendix B), 12 MB.
+    of Python's standard library and quantized to ds4's mix (appendix B), 13 MB.
 
     Mirrors ds4.c: none (ds4.c needs the real 86.7 GB GGUF)"""
     return bundled_path()

@@ -41,11 +41,7 @@ class _Shapes:
         4 GB)."""
         return replace(cls.real(), n_layer=2, n_vocab=1024, compress_ratios=(0, 0))
 
-    # reading and writing metadata: the functions after config_validate_model
-    @classmethod
-    def from_metadata(cls, md: dict, types: dict | None = None) -> "ModelConfig":
-        return config_from_metadata(md, types)
-
+    # a GGUF's metadata in and out: config_from_metadata, config_to_metadata
     @classmethod
     def from_gguf(cls, g) -> "ModelConfig":
         return config_from_metadata(g.metadata, g.metadata_types)

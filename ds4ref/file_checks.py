@@ -45,8 +45,8 @@ def check_tokenizer_metadata(g: GGUFFile, n_vocab: int | None = None) -> None:
 
 
 def check_architecture(g: GGUFFile) -> None:
-    """general.architecture must name DS4's: ds4.c reads only deepseek4.* keys, so a
-    file of another architecture that also carries them would load as a DS4 model.
+    """general.architecture must name DS4's: ds4.c checks only the deepseek4.* keys, so
+    a file of another architecture that also carries them would load as a DS4 model.
 
     Mirrors ds4.c: model_summary (l. 1249), which prints the key"""
     key = "general.architecture"
