@@ -22,7 +22,8 @@ class QuantError(DS4RefError, ValueError):
     NaN/inf."""
 
 
-# the ggml type ids ds4.c reads (l. 888-896), as plain ints; their home is GGMLType
+# ds4.c's type ids (l. 888-896, less I32) plus Q8_K and BF16, as plain ints; their
+# home is GGMLType
 TYPE_NAMES = {int(GGMLType[n]): n for n in
               ("F32", "F16", "Q8_0", "Q2_K", "Q4_K", "Q8_K", "IQ2_XXS", "BF16")}
 F32, F16, Q8_0, Q2_K, Q4_K, Q8_K, IQ2_XXS, BF16 = TYPE_NAMES
