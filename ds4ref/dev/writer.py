@@ -341,7 +341,8 @@ WRITER_VERSION = 1
 
 def synthetic_model_path() -> Path:
     """The synthetic tiny model: the tiny shape with seed 7's random weights, made on
-    first use. The ds4.c and llama.cpp records of data/ were made on it.
+    first use. ds4.c's "bundled" case (data/oracle/ds4c_bundled.npz) and llama.cpp's
+    MTP record (data/llama_cpp/) were made on it; the main oracle on dev_seed1.gguf.
 
     Lives in $DS4REF_CACHE or ~/.cache/ds4ref; the name carries the writer version.
 
