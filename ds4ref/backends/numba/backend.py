@@ -35,7 +35,7 @@ def choose_threading_layer() -> str:
     OpenMP where numba can load it, else workqueue; returns the choice. Takes effect
     only before the first parallel kernel of the process runs (appendix E,
     book/results/threading.json, has the two layers timed side by side).
-    Mirrors ds4.c: ds4_threads_init (l. 678), ds4.c's own spinning pthread pool"""
+    Mirrors ds4.c: ds4_threads_init (l. 678), ds4.c's own persistent pthread pool"""
     import os
     from numba import config
     if "NUMBA_THREADING_LAYER" in os.environ:
@@ -48,7 +48,8 @@ def choose_threading_layer() -> str:
     return config.THREADING_LAYER
 
 
-choose_threading_layer()
+# the layer this process runs, chosen on import, before any parallel kernel
+THREADING_LAYER = choose_threading_layer()
 
 
 @njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})

@@ -31,7 +31,8 @@ def run_kernel(kernel, *args, rows: int | None = None, min_rows: int = 512) -> N
     """Call kernel(*args); compile it (first call only) with LLVM's SLP vectorizer on.
 
     numba leaves SLP off by default; without it the fully unrolled 32-wide int8 dots
-    stay scalar (~3x slower: the ladder's second and third rungs). Like ds4.c, a
+    stay scalar (3.3 to 5.4 times slower in appendix D's ladders: their second and
+    third rungs). Like ds4.c, a
     kernel over fewer than `min_rows` output `rows` runs on the calling thread alone:
     waking the other threads costs more than it saves.
     Mirrors ds4.c: ds4_parallel_for_min_rows (l. 736)"""
