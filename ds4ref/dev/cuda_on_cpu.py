@@ -328,8 +328,9 @@ def _attention_run(be, ops, L, K: str):
 
 
 def oracle_runs(be, oracle_dir):
-    """(kernel, ours, ds4.c's) for every kernel of a CupyLayerOps `be` on ds4.c's
-    recorded inputs: ops_A, layers 1, 3, 4 at positions 1, 67, 131, 299.
+    """(kernel, ours, ds4.c's) for every kernel of a CupyLayerOps `be` but the batched
+    matmul_q8_0_q8_0, on ds4.c's recorded inputs: ops_A, layers 1, 3, 4 at positions
+    1, 67, 131, 299.
 
     Mirrors ds4.c: nothing (a test instrument)"""
     oracle_dir = Path(oracle_dir)
