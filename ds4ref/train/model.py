@@ -15,7 +15,7 @@ from torch import nn
 from ds4ref.rope import rope_params, rope_theta
 from ds4ref.weights import tensor_specs
 
-# products take bfloat16 inputs and sum in float32 (faster on AVX512-BF16: section B.1)
+# products take bfloat16 inputs and sum in float32, as the shipped weights were trained
 MATMUL_DTYPE = torch.bfloat16
 
 
@@ -305,9 +305,10 @@ def ffn(self, X, il, tokens, stats, mtp_prefix=None):
     y = torch.zeros_like(fl)
     sel_f = sel.reshape(-1, cfg.n_expert_used)
     w_f = wsel.reshape(-1, cfg.n_expert_used)
-    wg = self.p(pre + "ffn_gate_exps.weight")
-    wu = self.p(pre + "ffn_up_exps.weight")
-    wd = self.p(pre + "ffn_down_exps.weight")
+    # one tensor per expert: the backward of stack[e] zeroes a whole stack per expert
+    wg = self.p(pre + "ffn_gate_exps.weight").unbind(0)
+    wu = self.p(pre + "ffn_up_exps.weight").unbind(0)
+    wd = self.p(pre + "ffn_down_exps.weight").unbind(0)
     for e in range(cfg.n_expert):
         tok, slot = (sel_f == e).nonzero(as_tuple=True)
         if len(tok) == 0:
