@@ -9,6 +9,9 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
+
+from ds4ref.arguments import integer
 from ds4ref.engine import Engine
 from ds4ref.gguf import DS4RefError
 from ds4ref.sample import SampleRNG, _check_params
@@ -39,10 +42,13 @@ class StopStrings:
     bytes, this only the tail that begins one"""
 
     def __init__(self, stop: str | Sequence[str] = ()):
-        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stop, (list, tuple)):
+            raise GenerationError(
+                f"stop: expected a str or a list of str, got {stop!r}")
         if not all(isinstance(s, str) and s for s in stop):
             raise GenerationError(f"stop: expected non-empty strings, got {stop!r}")
-        self.stop, self.pending = stop, ""
+        self.stop, self.pending = list(stop), ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         self.pending += text
@@ -64,8 +70,12 @@ def prompt_tokens(tok, prompt, raw: bool = False, system: str | None = None,
 
     Mirrors ds4.c: encode_chat_prompt (l. 14841); ds4_cli.c: cli_effective_think_mode
     (l. 261)"""
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(
+            prompt, (str, Sequence, np.ndarray)):
+        raise GenerationError(f"prompt: expected a str or a sequence of integer token "
+                              f"ids, got {type(prompt).__name__}")
     if not isinstance(prompt, str):
-        return [int(t) for t in prompt]   # the session checks their range
+        return list(prompt)      # Session.sync checks they are integer ids in range
     if raw:
         return [tok.bos_id] + tok.encode(prompt)
     return tok.chat_prompt(prompt, system, think_mode_for_context(think, ctx_size))
@@ -74,10 +84,22 @@ def prompt_tokens(tok, prompt, raw: bool = False, system: str | None = None,
 def _engine(model, backend) -> Engine:
     if isinstance(model, Engine):
         return model
-    key = (None if model is None else str(model), backend)
+    key = (None if model is None else str(model), _file_id(model), backend)
     if _OPENED.get("key") != key:    # reopening the same model for every call is slow
         _OPENED.update(key=key, engine=Engine.open(model, backend=backend))
     return _OPENED["engine"]
+
+
+def _file_id(model):
+    """The file's identity: a model replaced at the same path (os.replace, as the GGUF
+    writer does) is another model."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    try:
+        st = os.stat(model)
+    except OSError:
+        return None                          # Engine.open says what is wrong
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 _OPENED: dict = {}
@@ -111,9 +133,13 @@ def stream_generate(
     Mirrors ds4.c: ds4_cli.c's run_sampled_generation (l. 465); ds4_server.c's
     generate_job (l. 9706) for stop strings and finish reasons"""
     _check_params(temperature, top_k, top_p, min_p)
-    if isinstance(max_tokens, bool) or int(max_tokens) != max_tokens or max_tokens < 0:
-        raise GenerationError(
-            f"max_tokens: expected an integer >= 0, got {max_tokens!r}")
+    if temperature > 100:                  # ds4's --temp range; float32 cannot overflow
+        raise GenerationError(f"temperature: expected a number in [0, 100], got "
+                              f"{temperature!r}")
+    temperature = float(np.float32(temperature))    # 1e-50 is 0: greedy, as in ds4.c
+    max_tokens = integer("max_tokens", max_tokens, GenerationError, lo=0)
+    if not isinstance(raw, bool):                     # as Engine.open's resident
+        raise GenerationError(f"raw: expected True or False, got {raw!r}")
     stops = StopStrings(stop)
     eng = _engine(model, backend)
     tok = eng.tokenizer
@@ -134,7 +160,8 @@ def stream_generate(
 
     n = 0
     while n < budget:
-        t = s.sample(temperature, top_k, top_p, min_p, rng)
+        with np.errstate(over="ignore"):    # tiny T: (v - max) / T is -inf, as in ds4.c
+            t = s.sample(temperature, top_k, top_p, min_p, rng)
         toks = [t]
         if t != tok.eos_id and speculative and n + 1 < budget:
             toks = s.eval_speculative_argmax(t, budget - n, tok.eos_id)

@@ -32,8 +32,22 @@ def load_directions(path, cfg) -> np.ndarray:
     if size != want:
         raise SteeringError(f"steering file {path}: has size {size} bytes, expected "
                             f"{want} bytes (float32 [{cfg.n_layer}, {cfg.n_embd}])")
-    dirs = np.fromfile(path, dtype="<f4")
-    return dirs.reshape(cfg.n_layer, cfg.n_embd).astype(np.float32)
+    dirs = np.fromfile(path, dtype="<f4").reshape(cfg.n_layer, cfg.n_embd)
+    # stricter than ds4.c, which steers with any floats: a NaN or inf, or a norm past
+    # float32's range, makes every steered row NaN
+    bad = np.flatnonzero(~np.isfinite(dirs))
+    if len(bad):
+        il = bad[0] // cfg.n_embd
+        raise SteeringError(f"steering file {path}: holds {len(bad)} non-finite "
+                            f"value(s) (NaN or inf), first in layer {il}; expected "
+                            "finite float32 directions")
+    norm = np.sqrt(np.square(dirs, dtype=np.float64).sum(1))           # [n_layer]
+    big = np.flatnonzero(norm > np.finfo(np.float32).max)
+    if len(big):
+        raise SteeringError(f"steering file {path}: layer {big[0]}'s direction has "
+                            f"norm {norm[big[0]]:.3g}, past float32's range; expected "
+                            "unit directions")
+    return dirs.astype(np.float32)
 
 
 def directional_steering_project_rows(x: np.ndarray, d: np.ndarray, scale: float):

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -248,6 +249,26 @@ def test_steering_options_as_ds4c(oracle_dir, tmp_path):
         open_steering(cfg, bad)
     with pytest.raises(SteeringError, match="steering_ffn"):
         open_steering(cfg, f, 0.0, float("nan"))
+
+
+@pytest.mark.parametrize("value, message", [
+    (np.inf, r"holds 1 non-finite value\(s\) \(NaN or inf\), first in layer 3"),
+    (np.nan, r"holds 1 non-finite value\(s\) \(NaN or inf\), first in layer 3"),
+    (3e38, r"layer 3's direction has norm 4\.24e\+38, past float32's range"),
+])
+def test_steering_file_with_non_finite_directions_is_refused_at_load(
+        oracle_dir, tmp_path, value, message):
+    """ds4.c checks only the size; a NaN, an inf or a norm past float32 (3e38 twice:
+    sqrt(2) * 3e38) would make every steered row NaN, so ds4ref refuses them at load."""
+    from ds4ref.steering import SteeringError
+    dirs = np.fromfile(oracle_dir / "ds4c_steering_dirs.f32", "<f4").reshape(6, 256)
+    dirs[3, 7] = value
+    if value == 3e38:
+        dirs[3, 8] = value
+    f = tmp_path / "bad.f32"
+    dirs.tofile(f)
+    with pytest.raises(SteeringError, match=re.escape(f"steering file {f}: ") + message):
+        Engine.open(backend="numpy", steering_file=f)
 
 
 def test_steering_off_is_bit_identical(oracle_dir):

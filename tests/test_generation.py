@@ -153,13 +153,70 @@ def test_the_default_model_is_the_bundled_one():
         generate("Return a", eng, raw=True, temperature=0, max_tokens=4)
 
 
+def test_a_model_replaced_at_its_path_is_reopened(plain, tmp_path):
+    """generate keeps the last engine it opened, keyed on the file's identity too: a new
+    file moved over the path (os.replace, as the GGUF writer does) is the new model."""
+    import os
+    import shutil
+    other = ds4ref.data_path("oracle", "dev_seed1.gguf")
+    path = tmp_path / "m.gguf"
+    shutil.copy(default_model_path(), path)
+    kw = dict(max_tokens=4, temperature=0, backend="numpy")
+    old = generate([0, 1, 2], path, **kw)
+    assert old == generate([0, 1, 2], plain, **kw)     # an Engine: the cache is kept
+    shutil.copy(other, tmp_path / "new.gguf")
+    os.replace(tmp_path / "new.gguf", path)
+    new = generate([0, 1, 2], Engine.open(other, backend="numpy"), **kw)
+    assert new != old
+    assert generate([0, 1, 2], path, **kw) == new
+
+
+@pytest.mark.parametrize("prompt, dtype", [
+    ([1.9, 2.9], "float64"), (np.array([1.7, 2.2]), "float64"), (["5"], "<U1"),
+    (["a"], "<U1"), ([True, False], "bool"), ([np.float32(3.0)], "float32"),
+])
+def test_token_prompts_must_be_integer_ids(bundled, prompt, dtype):
+    """The ids are checked as Session.sync checks them, never truncated by int()."""
+    from ds4ref.session import TokenRangeError
+    with pytest.raises(TokenRangeError, match=f"expected integer ids, got dtype {dtype}"):
+        generate(prompt, bundled, max_tokens=1)
+
+
+@pytest.mark.parametrize("prompt, kind", [
+    (b"Return a", "bytes"), (bytearray(b"Re"), "bytearray"), ({1: 2}, "dict"),
+    (None, "NoneType"), (5, "int"), ({1, 2}, "set"),
+])
+def test_a_prompt_is_a_str_or_a_sequence_of_ids(bundled, prompt, kind):
+    with pytest.raises(GenerationError, match="prompt: expected a str or a sequence of "
+                       f"integer token ids, got {kind}$"):
+        generate(prompt, bundled, max_tokens=1)
+
+
 def test_bad_arguments_raise_named_errors(bundled, tmp_path):
     from ds4ref.gguf import DS4RefError, GGUFError
-    from ds4ref.session import TokenRangeError
+    from ds4ref.session import SessionError, TokenRangeError
     cases = [
         (dict(max_tokens=-1), GenerationError, "max_tokens: expected an integer >= 0"),
         (dict(max_tokens=2.5), GenerationError, "max_tokens"),
         (dict(max_tokens=True), GenerationError, "max_tokens"),
+        # a float is refused whatever its value, before anything runs
+        (dict(max_tokens=2.0, temperature=0), GenerationError, "max_tokens: .* got 2.0"),
+        (dict(max_tokens=float("nan")), GenerationError, "max_tokens: .* got nan"),
+        (dict(max_tokens=float("inf")), GenerationError, "max_tokens: .* got inf"),
+        (dict(max_tokens="abc"), GenerationError, "max_tokens: .* got 'abc'"),
+        (dict(max_tokens=None), GenerationError, "max_tokens: .* got None"),
+        (dict(max_tokens=[1]), GenerationError, r"max_tokens: .* got \[1\]"),
+        (dict(max_tokens=1 + 0j), GenerationError, r"max_tokens: .* got \(1\+0j\)"),
+        (dict(raw="no"), GenerationError, "raw: expected True or False, got 'no'"),
+        (dict(raw=None), GenerationError, "raw: expected True or False, got None"),
+        (dict(raw=0), GenerationError, "raw: expected True or False, got 0"),
+        (dict(raw=[]), GenerationError, r"raw: expected True or False, got \[\]"),
+        (dict(stop=5), GenerationError, "stop: expected a str or a list of str, got 5"),
+        (dict(stop=0), GenerationError, "stop: expected a str or a list of str, got 0"),
+        # ds4's --temp range: a float32 temperature cannot overflow
+        (dict(temperature=1e308), GenerationError, r"temperature: expected a number in "
+                                                   r"\[0, 100\], got 1e\+308"),
+        (dict(temperature=100.5), GenerationError, "temperature: .* got 100.5"),
         (dict(stop=[""]), GenerationError, "stop: expected non-empty strings"),
         (dict(stop=["ok", 3]), GenerationError, "stop: expected non-empty strings"),
         (dict(temperature=-1.0), SamplingError, "temperature"),
@@ -172,8 +229,25 @@ def test_bad_arguments_raise_named_errors(bundled, tmp_path):
         assert issubclass(err, DS4RefError)
     with pytest.raises(TokenRangeError):
         generate([0, 10**6], bundled)
+    with pytest.raises(SessionError, match=r"expected a 1-D sequence of ids, got shape"):
+        generate([[1, 2]], bundled)
+    ids = prompt_tokens(bundled.tokenizer, "Return a", raw=True)
+    assert generate(ids, bundled, temperature=0, max_tokens=np.int64(3)) == generate(
+        ids, bundled, temperature=0, max_tokens=3)
     with pytest.raises(GGUFError):
         generate("Hi", tmp_path / "missing.gguf", backend="numpy")
+
+
+def test_tiny_temperatures_run_as_ds4c_without_warnings(bundled):
+    """1e-50 is 0 in float32, greedy as in ds4.c; for 1e-45 (float32's least) every
+    token but the best has (v - max) / T = -inf, weight 0: the greedy token, drawn."""
+    import warnings
+    greedy = generate("Return a", bundled, raw=True, temperature=0, max_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in (1e-50, 1e-45):
+            assert generate("Return a", bundled, raw=True, temperature=t, max_tokens=4,
+                            seed=1) == greedy
 
 
 # --------------------------------------------------------------------------- what the package shows
