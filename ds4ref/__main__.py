@@ -5,6 +5,7 @@ model)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -14,7 +15,22 @@ PROG = "python -m ds4ref"
 
 
 class CLIError(DS4RefError, ValueError):
-    """A command-line flag is malformed or out of range (argparse's message)."""
+    """A command-line flag is malformed or out of range (argparse's message), or the
+    output cannot be written."""
+
+
+def _write(text: str) -> None:
+    """Write and flush stdout; a failed write becomes CLIError, except a closed pipe
+    (BrokenPipeError), which main ends quietly."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        # what stdout still buffers goes to /dev/null, so Python's exit flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if isinstance(exc, BrokenPipeError):
+            raise
+        raise CLIError(f"cannot write output: {exc.strerror or exc}") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,13 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run the command line. A bad flag or anything ds4ref refuses (a missing file, a
     malformed model, an option out of range) prints one line `python -m ds4ref: error:
-    ...` on stderr and returns 2, never a traceback."""
+    ...` on stderr and returns 2, never a traceback. A reader that leaves (`| head`)
+    ends it quietly with 141, as SIGPIPE ends ds4.c; Ctrl-C: `interrupted`, 130."""
+    if sys.stderr is None:   # started with stderr closed: the diagnostics go nowhere
+        sys.stderr = open(os.devnull, "w")
     try:
+        if sys.stdout is None:   # started with stdout closed (`>&-`)
+            raise CLIError("cannot write output: standard output is closed")
         return generate(build_parser().parse_args(argv))
     except DS4RefError as exc:
         msg = " ".join(str(exc).split())
         print(f"{PROG}: error: {msg}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return 141
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 def generate(args) -> int:
@@ -138,7 +164,11 @@ def generate(args) -> int:
     if args.summary:
         from ds4ref.cli import model_summary
         from ds4ref.bundled import default_model_path
-        print(model_summary(args.model or default_model_path()))
+        from ds4ref.arguments import file_path
+        # refuse "" as Engine.open does (Path("") would be the current directory)
+        model = (default_model_path() if args.model is None
+                 else file_path("path", args.model, CLIError))
+        _write(model_summary(model) + "\n")
         return 0
     _check_params(args.temp, args.top_k, args.top_p, args.min_p)
     stops = StopStrings(args.stop)
@@ -236,8 +266,7 @@ def generate(args) -> int:
                 n_new = generated
                 break
             text, hit = stops.feed(out(t))
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            _write(text)
             generated += 1
             if hit:
                 why, n_new = "a --stop string", generated
@@ -247,8 +276,8 @@ def generate(args) -> int:
     t3 = time.perf_counter()
     if not hit:   # what the decoder and the stop strings held back
         text, hit = stops.feed(out(None))
-        sys.stdout.write(text if hit else text + stops.pending)
-    sys.stdout.write("\n")
+        _write(text if hit else text + stops.pending)
+    _write("\n")
     pre_s, dec_s = t1 - t0, t3 - t2
     evals = max(generated - 1, 0)
     print(

@@ -49,6 +49,8 @@ def resolve_backend(backend):
         ) from exc
     try:
         return get_backend(backend)
+    except BackendError:
+        raise                    # its message already names the backend
     except Exception as exc:
         raise BackendError(f"backend {backend!r}: {exc}") from exc
 

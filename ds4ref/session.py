@@ -22,6 +22,7 @@ from ds4ref.session_state import (  # noqa: F401
     TokenRangeError,
     check_ctx_size,
     check_snapshot,
+    model_digest,
     read_session,
     session_arrays,
     session_header,
@@ -140,6 +141,7 @@ class SessionBase:
             self._cache.copy(),
             self.ctx_size,
             self.cfg,
+            model_digest(self.engine),
         )
 
     def restore(self, snap: Snapshot) -> None:
@@ -147,7 +149,7 @@ class SessionBase:
 
         Mirrors ds4.c: ds4_session_load_snapshot (l. 16698)
         """
-        check_snapshot(snap, self.cfg, self.ctx_size)
+        check_snapshot(snap, self.cfg, self.ctx_size, model_digest(self.engine))
         self._cache = snap.cache.copy()
         self._tokens = list(snap.tokens)
         self._logits = None if snap.logits is None else snap.logits.copy()
@@ -164,7 +166,8 @@ class SessionBase:
         path = file_path("save: path", path, SessionError)
         host = self._cache.map(self.engine.backend.download)
         arrays = session_arrays(self.tokens, self._logits, host)
-        header = json.dumps(session_header(self.cfg, self.ctx_size)).encode()
+        header = session_header(self.cfg, self.ctx_size, model_digest(self.engine))
+        header = json.dumps(header).encode()
         arrays["header"] = np.frombuffer(header, dtype=np.uint8)
         try:
             with open(path, "wb") as f:
@@ -184,12 +187,11 @@ class SessionBase:
             with np.load(path, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
             header = json.loads(bytes(arrays.pop("header")).decode())
-        except Exception as exc:
-            raise SessionError(
-                f"load {path}: not a ds4ref session file ({exc})"
-            ) from None
+        except Exception as exc:   # numpy's and json's reasons name their internals
+            why = f" ({exc.strerror})" if getattr(exc, "strerror", None) else ""
+            raise SessionError(f"load {path}: not a ds4ref session file{why}") from None
         tokens, logits, cache = read_session(arrays, header, self.cfg, self.ctx_size,
-                                             path)
+                                             model_digest(self.engine), path)
         self._cache, self._tokens = cache.map(self.engine.backend.upload), tokens
         self._logits = logits
         self._valid = bool(tokens)

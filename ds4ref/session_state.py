@@ -5,6 +5,7 @@ Snapshot, the checks of what a caller hands a session, and the session file."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -49,6 +50,7 @@ class Snapshot:
     cache: KVCache
     ctx_size: int
     cfg: object = None
+    model: str = ""      # model_digest of the engine it was taken on
 
 
 def check_ctx_size(cfg, ctx_size) -> int:
@@ -63,8 +65,21 @@ def check_ctx_size(cfg, ctx_size) -> int:
     return n
 
 
-def check_snapshot(snap, cfg, ctx_size: int) -> None:
-    """A Snapshot that Session.snapshot() took on a session of this shape and ctx."""
+def model_digest(engine) -> str:
+    """16 hex digits of SHA-256 over the model's tensor directory (name, type, shape)
+    and the first 4 KiB of each tensor: cheap, and it tells two models of one shape
+    apart. ds4.c's session payload records no model (it runs one); ds4ref's vary."""
+    if "_model_digest" not in vars(engine):
+        h = hashlib.sha256()
+        for t in engine.gguf.tensors.values():
+            h.update(f"{t.name} {t.ggml_type.name} {t.shape}\n".encode())
+            h.update(t.data[:4096])
+        engine._model_digest = h.hexdigest()[:16]
+    return engine._model_digest
+
+
+def check_snapshot(snap, cfg, ctx_size: int, model: str) -> None:
+    """A Snapshot that Session.snapshot() took on a session of this model and ctx."""
     if not isinstance(snap, Snapshot):
         raise SessionError(f"restore: expected a Snapshot, got {type(snap).__name__}")
     if snap.ctx_size != ctx_size:
@@ -73,11 +88,14 @@ def check_snapshot(snap, cfg, ctx_size: int) -> None:
     if snap.cfg != cfg:
         raise SessionError("restore: the snapshot was taken on a model of another "
                            "shape (its cfg differs from this session's)")
+    if snap.model != model:
+        raise SessionError(f"restore: the snapshot was taken on model {snap.model!r}, "
+                           f"this session runs model {model!r} (model_digest)")
 
 
 # a session file keeps these arrays only up to the rows its tokens wrote
 ROWS = {"raw": "n_raw", "comp": "n_comp", "index_comp": "n_index_comp"}
-SESSION_FORMAT = "ds4ref-session-2"
+SESSION_FORMAT = "ds4ref-session-3"
 
 
 def rows_in_use(layer, n_tokens: int) -> dict[str, int]:
@@ -88,9 +106,9 @@ def rows_in_use(layer, n_tokens: int) -> dict[str, int]:
             "n_index_comp": n_tokens // r if r == 4 else 0}
 
 
-def session_header(cfg, ctx_size: int) -> dict:
+def session_header(cfg, ctx_size: int, model: str) -> dict:
     return {"format": SESSION_FORMAT, "ctx_size": ctx_size, "n_layer": cfg.n_layer,
-            "n_vocab": cfg.n_vocab, "n_embd": cfg.n_embd}
+            "n_vocab": cfg.n_vocab, "n_embd": cfg.n_embd, "model_digest": model}
 
 
 def session_arrays(tokens, logits, cache: KVCache) -> dict[str, np.ndarray]:
@@ -106,15 +124,15 @@ def session_arrays(tokens, logits, cache: KVCache) -> dict[str, np.ndarray]:
     return out
 
 
-def read_session(arrays: dict, header, cfg, ctx_size: int, path):
+def read_session(arrays: dict, header, cfg, ctx_size: int, model: str, path):
     """(tokens, logits or None, host KVCache) of a session file's arrays, each checked
-    against this model and ctx: nothing of a file another shape wrote gets in."""
+    against this model and ctx: nothing of a file another model wrote gets in."""
     def bad(why):
         raise SessionError(f"load {path}: {why}")
     if not isinstance(header, dict) or header.get("format") != SESSION_FORMAT:
         bad(f"format {header.get('format') if isinstance(header, dict) else None!r}, "
             f"this ds4ref reads {SESSION_FORMAT!r}")
-    for k, v in session_header(cfg, ctx_size).items():
+    for k, v in session_header(cfg, ctx_size, model).items():
         if header.get(k) != v:
             bad(f"{k} is {header.get(k)!r}, this session needs {v!r}")
     tokens, logits = arrays.pop("tokens", None), arrays.pop("logits", None)
@@ -126,6 +144,8 @@ def read_session(arrays: dict, header, cfg, ctx_size: int, path):
     want = (cfg.n_vocab,) if len(tokens) else (0,)
     if logits is None or logits.shape != want or logits.dtype != np.float32:
         bad(f"logits: expected float32 {want}")
+    if not np.isfinite(logits).all():
+        bad("logits: hold NaN or inf, expected finite values")
     cache = KVCache(cfg, ctx_size)
     for il, layer in enumerate(cache.layers):
         counts = rows_in_use(layer, len(tokens))
@@ -136,6 +156,8 @@ def read_session(arrays: dict, header, cfg, ctx_size: int, path):
             v = arrays.pop(f"cache.{il}.{name}", None)
             if v is None or v.shape != (n, *full.shape[1:]) or v.dtype != np.float32:
                 bad(f"cache.{il}.{name}: expected float32 {(n, *full.shape[1:])}")
+            if not np.isfinite(v).all():
+                bad(f"cache.{il}.{name}: holds NaN or inf, expected finite values")
             full[:n] = v
         vars(layer).update(counts)
     if arrays:

@@ -5,6 +5,7 @@ merges."""
 from __future__ import annotations
 
 import codecs
+import heapq
 from collections.abc import Iterable, Sequence
 
 from ds4ref.arguments import integer
@@ -251,16 +252,33 @@ class Tokenizer:
         hit = self._cache.get(piece)
         if hit is not None:
             return hit
+        # ds4.c rescans every pair after each merge, quadratic in the piece's length; a
+        # heap of candidate pairs makes the same merges in the same order in O(n log n).
+        # sym[i]: the symbol that starts at byte i ("" once merged); nxt/prv link them
+        n = len(piece)
         sym = [BYTE_TO_CHAR[b] for b in piece]
-        while len(sym) > 1:
-            ranks = [self.merge_rank.get(f"{a} {b}", -1) for a, b in zip(sym, sym[1:])]
-            live = [(r, i) for i, r in enumerate(ranks) if r >= 0]
-            if not live:
-                break
-            _, i = min(live)                    # lowest rank, leftmost on ties
-            sym[i:i + 2] = [sym[i] + sym[i + 1]]
+        nxt, prv, heap = list(range(1, n + 1)), list(range(-1, n - 1)), []
+
+        def push(i):
+            if i >= 0 and nxt[i] < n:
+                r = self.merge_rank.get(f"{sym[i]} {sym[nxt[i]]}", -1)
+                if r >= 0:  # lowest rank first, leftmost on ties
+                    heapq.heappush(heap, (r, i, sym[i], sym[nxt[i]]))
+
+        for i in range(n - 1):
+            push(i)
+        while heap:
+            _, i, a, b = heapq.heappop(heap)
+            j = nxt[i]
+            if sym[i] != a or j >= n or sym[j] != b:
+                continue  # stale: one of the pair has merged since
+            sym[i], sym[j], nxt[i] = a + b, "", nxt[j]
+            if nxt[i] < n:
+                prv[nxt[i]] = i
+            push(prv[i])
+            push(i)
         out = []
-        for t in sym:
+        for t in filter(None, sym):
             if t in self.token_to_id:
                 out.append(self.token_to_id[t])
             # ds4.c falls back to single-byte lookups of the symbol's UTF-8 (ASCII only)

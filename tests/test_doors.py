@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -19,8 +21,9 @@ from ds4ref.engine import Engine, EngineError
 from ds4ref.gguf import DS4RefError, GGUFError
 from ds4ref.mtp import MTPError
 from ds4ref.sample import SampleRNG, SamplingError, argmax_excluding, sample, token_logprob
+from ds4ref import data_path
 from ds4ref.session import (ContextOverflowError, EmptyPromptError, SessionError, Snapshot,
-                            TokenRangeError)
+                            TokenRangeError, model_digest)
 from ds4ref.steering import SteeringError
 from ds4ref.tokenizer import TokenizerError, think_mode_for_context
 
@@ -42,7 +45,13 @@ def door(tmp_path_factory):
     other = eng.session(16)
     other.sync([1, 2])
     other.save(d / "s16.npz")
-    return SimpleNamespace(eng=eng, s=s, tok=eng.tokenizer, d=d, V=eng.cfg.n_vocab)
+    (d / "text.txt").write_text("hello\n")
+    # a model of the same shape with other weights, its session at the same place
+    b = Engine.open(data_path("oracle", "dev_seed1.gguf"), backend="numpy").session(32)
+    b.sync([1, 2, 3])
+    b.save(d / "other_model.npz")
+    return SimpleNamespace(eng=eng, s=s, tok=eng.tokenizer, d=d, V=eng.cfg.n_vocab,
+                           other=b)
 
 
 def _forged(door, edit) -> str:
@@ -78,7 +87,8 @@ DOORS = [
     ("Engine.open", lambda c: Engine.open(backend=None), BackendError,
      "backend: expected a name ('auto', 'numpy', 'numba', ...) or a backend object, got None"),
     ("Engine.open", lambda c: Engine.open(backend=42), BackendError, "got 42"),
-    ("Engine.open", lambda c: Engine.open(backend="nosuch"), BackendError, "nosuch"),
+    ("Engine.open", lambda c: Engine.open(backend="nosuch"), BackendError,
+     "backend 'nosuch': unknown; choose one of"),
     ("Engine.open", lambda c: Engine.open(123, backend="numpy"), EngineError,
      "path: expected a file path (str or os.PathLike), got 123"),
     ("Engine.open", lambda c: Engine.open("", backend="numpy"), EngineError, "got ''"),
@@ -189,6 +199,8 @@ DOORS = [
      "the snapshot was taken on a model of another shape"),
     ("Session.restore", lambda c: c.s.restore(Snapshot([1], None, None, 32)), SessionError,
      "another shape"),
+    ("Session.restore", lambda c: c.s.restore(c.other.snapshot()), SessionError,
+     "restore: the snapshot was taken on model '"),
     # Session.save
     ("Session.save", lambda c: c.s.save(c.d), SessionError, "cannot write it (Is a directory)"),
     ("Session.save", lambda c: c.s.save("/nonexistent/dir/s.npz"), SessionError,
@@ -206,7 +218,7 @@ DOORS = [
     ("Session.load", lambda c: c.s.load(c.d / "s16.npz"), SessionError,
      "ctx_size is 16, this session needs 32"),
     ("Session.load", lambda c: c.s.load(_forged(c, _set("format", "ds4ref-session-1"))),
-     SessionError, "format 'ds4ref-session-1', this ds4ref reads 'ds4ref-session-2'"),
+     SessionError, "format 'ds4ref-session-1', this ds4ref reads 'ds4ref-session-3'"),
     ("Session.load", lambda c: c.s.load(_forged(c, _set("n_vocab", 99))), SessionError,
      "n_vocab is 99, this session needs 1024"),
     ("Session.load", lambda c: c.s.load(_forged(c, _set("tokens", np.array([1, V])))),
@@ -222,6 +234,12 @@ DOORS = [
      "cache.0.raw: expected float32 (3, 256)"),
     ("Session.load", lambda c: c.s.load(_forged(c, _add("cache.0.extra"))), SessionError,
      "arrays this format does not have: ['cache.0.extra']"),
+    ("Session.load", lambda c: c.s.load(c.d / "other_model.npz"), SessionError,
+     "model_digest is '"),
+    ("Session.load", lambda c: c.s.load(_forged(c, _set("logits", np.full(V, NAN, np.float32)))),
+     SessionError, "logits: hold NaN or inf, expected finite values"),
+    ("Session.load", lambda c: c.s.load(_forged(c, _set("cache.0.raw", np.full(
+        (3, 256), np.inf, np.float32)))), SessionError, "cache.0.raw: holds NaN or inf"),
     # Session.sample, top_logprobs and the other readers of the logits
     ("Session.sample", lambda c: c.s.sample(-1.0, rng=SampleRNG(1)), SamplingError,
      "temperature (0 = greedy): expected a finite number >= 0, got -1.0"),
@@ -308,6 +326,33 @@ def test_every_door_refuses_with_a_named_error(door, entry, call, error, fragmen
     assert s.tokens == before[0] and np.array_equal(s.logits, before[1])
 
 
+def test_a_session_of_another_model_is_refused_naming_both(door):
+    """A file or snapshot from a model of the same shape but other weights is refused,
+    naming both digests; the same model opened again has the same digest and loads."""
+    mine, theirs = model_digest(door.eng), model_digest(door.other.engine)
+    assert door.other.cfg == door.eng.cfg and mine != theirs
+    assert re.fullmatch("[0-9a-f]{16}", mine) and re.fullmatch("[0-9a-f]{16}", theirs)
+    with pytest.raises(SessionError) as info:
+        door.s.load(door.d / "other_model.npz")
+    assert f"model_digest is {theirs!r}, this session needs {mine!r}" in str(info.value)
+    with pytest.raises(SessionError) as info:
+        door.s.restore(door.other.snapshot())
+    assert f"on model {theirs!r}, this session runs model {mine!r}" in str(info.value)
+    again = Engine.open(backend="numpy").session(32)
+    assert model_digest(again.engine) == mine
+    again.load(door.d / "s32.npz")
+    assert again.tokens == door.s.tokens and np.array_equal(again.logits, door.s.logits)
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "/dev/urandom", "text.txt", "junk.npz"])
+def test_load_of_a_foreign_file_says_so_plainly(door, path):
+    """Not numpy's reason (which speaks of pickles): the plain statement, nothing after."""
+    path = door.d / path if not path.startswith("/") else path
+    with pytest.raises(SessionError) as info:
+        door.s.load(path)
+    assert str(info.value) == f"load {path}: not a ds4ref session file"
+
+
 def test_documented_edges_of_the_doors(door):
     """What is accepted at the edges, as documented: top_k above 1024 keeps 1024 (ds4.c's
     candidate buffer), an excluded id outside the vocabulary excludes nothing, top_logprobs
@@ -338,13 +383,15 @@ CLI = [
     (["--seed", str(2**64), "-n", "1", "--no-progress"], "got 18446744073709551616"),
     (["--mtp-draft", "0", "-n", "1"], "mtp_draft_tokens: expected an integer in [1, 16]"),
     (["--mtp-margin", "-1", "-n", "1"], "mtp_margin: expected a finite number in [0, 1000]"),
-    (["--backend", "nosuch", "-n", "1"], "backend 'nosuch'"),
+    (["--backend", "nosuch", "-n", "1"],
+     "error: backend 'nosuch': unknown; choose one of numpy, numba, mlx, cupy or 'auto'"),
     (["--resident", "--backend", "numpy", "-n", "1"], "computes on host arrays"),
     (["--dir-steering-attn", "0.5", "-n", "1"], "directional steering needs steering_file"),
     (["--dir-steering-file", "/nonexistent", "-n", "1"], "steering file /nonexistent"),
     (["--dir-steering-ffn", "inf", "-n", "1"], "steering_ffn: expected a finite number"),
     (["-p", "a\udcffb", "-n", "1", "--no-progress"], "prompt: not encodable as UTF-8"),
     (["-m", "/"], "cannot open: Is a directory"),
+    (["--summary", "-m", ""], "path: expected a file path (str or os.PathLike), got ''"),
 ]
 
 
@@ -365,6 +412,50 @@ def test_cli_as_a_program_prints_no_traceback():
     assert r.returncode == 2 and r.stdout == ""
     assert re.fullmatch(r"python -m ds4ref: error: /nonexistent/x\.gguf: cannot open: No such "
                         r"file or directory\n", r.stderr), r.stderr
+
+
+# greedy from "x" on the bundled model runs to -n without an EOS, printing as it goes
+LONG_RUN = [sys.executable, "-m", "ds4ref", "--backend", "numpy", "--raw", "-p", "x",
+            "--temp", "0", "-n", "1000", "--no-progress"]
+
+
+def test_cli_ends_quietly_when_its_reader_leaves(tmp_path):
+    """`| head -c1`: the reader closes the pipe after the first byte; the CLI stops with 141
+    (128 + SIGPIPE, what the shell reports for ds4.c) and no traceback."""
+    with open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen(LONG_RUN, stdout=subprocess.PIPE, stderr=err)
+        assert p.stdout.read(1)
+        p.stdout.close()
+        assert p.wait(timeout=300) == 141
+    assert (tmp_path / "err").read_text() == ""
+
+
+def test_cli_stops_on_ctrl_c_with_one_line_and_130():
+    """SIGINT after the first output: one line `interrupted` on stderr, status 130."""
+    p = subprocess.Popen(LONG_RUN, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert p.stdout.read(1)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and err.decode() == "python -m ds4ref: interrupted\n", err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="/dev/full is a Linux device")
+def test_cli_says_when_it_cannot_write_its_output():
+    """stdout on a full device, or closed (`>&-`): one line, status 2; stderr closed
+    (`2>&-`): the text is still generated, status 0."""
+    run = [*LONG_RUN[:-3], "-n", "4", "--no-progress"]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(run, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert (r.returncode, r.stderr) == (2, "python -m ds4ref: error: cannot write output: "
+                                           "No space left on device\n")
+    r = subprocess.run(run, stderr=subprocess.PIPE, text=True, timeout=300,
+                       preexec_fn=lambda: os.close(1))
+    assert (r.returncode, r.stderr) == (2, "python -m ds4ref: error: cannot write output: "
+                                           "standard output is closed\n")
+    r = subprocess.run(run, stdout=subprocess.PIPE, text=True, timeout=300,
+                       preexec_fn=lambda: os.close(2))
+    assert r.returncode == 0 and len(r.stdout) > 1, r.stdout
 
 
 def test_cli_error_is_a_named_error():

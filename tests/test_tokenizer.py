@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import unicodedata
 from pathlib import Path
 
@@ -13,8 +15,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ds4ref.gguf import GGUFFile
-from ds4ref.tokenizer import (REASONING_EFFORT_MAX_PREFIX, SPECIAL_TOKENS, Tokenizer, TokenizerError,
-                              pretokenize)
+from ds4ref.tokenizer import (BYTE_TO_CHAR, CHAR_TO_BYTE, REASONING_EFFORT_MAX_PREFIX, SPECIAL_TOKENS,
+                              Tokenizer, TokenizerError, pretokenize)
 
 # Varied text (Chinese, full-width punctuation, emoji, code, whitespace runs, digits, accents, specials, the
 # empty string): the texts that tools/ds4c/record.py also ran through ds4.c's own tokenizer, read from there so
@@ -219,3 +221,61 @@ def test_token_bytes_equal_ds4c_token_text(ds4c_tokenizer):
     ref = [bytes.fromhex(h) for h in rec["token_text_hex"]]
     assert len(ref) == tok.n_vocab
     assert [tok.token_bytes(i) for i in range(tok.n_vocab)] == ref
+
+
+def _bpe_reference(tk: Tokenizer, piece: bytes) -> list[int]:
+    """ds4.c's bpe_emit_piece rule written plainly: after each merge rescan every adjacent pair and merge the
+    one with the lowest rank, the leftmost on ties (quadratic; the rule Tokenizer.bpe must reproduce)."""
+    sym = [BYTE_TO_CHAR[b] for b in piece]
+    while True:
+        live = [(tk.merge_rank[f"{a} {b}"], i) for i, (a, b) in enumerate(zip(sym, sym[1:]))
+                if f"{a} {b}" in tk.merge_rank]
+        if not live:
+            break
+        _, i = min(live)
+        sym[i:i + 2] = [sym[i] + sym[i + 1]]
+    out = []
+    for t in sym:
+        out += ([tk.token_to_id[t]] if t in tk.token_to_id else
+                [tk.token_to_id[chr(b)] for b in t.encode() if b < 128 and chr(b) in tk.token_to_id])
+    return out
+
+
+def test_fast_bpe_makes_the_merges_of_the_plain_rule(ds4c_tokenizer):
+    """Tokenizer.bpe (a heap of candidate pairs) equals the plain rescan-every-pair rule id for id: on every
+    piece of the recorded texts and chats, and on 600 random pieces over the vocab's merge alphabet, half of
+    them runs of merged symbols (long pieces, repeats that tie, spaces and non-ASCII bytes included)."""
+    tok, rec = ds4c_tokenizer
+    pieces = [p for text in rec["texts"] + rec["rendered"] for p in pretokenize(text)]
+    halves = sorted({h for m in tok.merge_rank for h in m.split(" ")})
+    alphabet = sorted(set("".join(halves)))
+    rnd = random.Random(8)
+    for k in range(600):
+        n = rnd.randint(1, 120)
+        s = ("".join(rnd.choice(alphabet) for _ in range(n)) if k % 2 else
+             "".join(rnd.choice(halves) for _ in range(n // 4 + 1)) * rnd.randint(1, 3))
+        pieces.append(bytes(CHAR_TO_BYTE[c] for c in s))
+    pieces += [b"the" * 40, b"a" * 97, b" " * 33]
+    merged = 0
+    for piece in pieces:
+        ids = tok.bpe(piece)
+        assert ids == _bpe_reference(tok, piece), piece
+        merged += len(piece) - len(ids)
+    assert merged > 3000           # the merges really fire
+
+
+def test_bpe_of_a_200k_letter_word_finishes():
+    """One 200,000-letter pre-token (no spaces) encodes and round-trips well within the timeout; the old
+    rescan-every-pair loop took minutes (a timeout, not a timing: the test only fails on a hang)."""
+    code = ("from ds4ref.bundled import default_model_path\n"
+            "from ds4ref.gguf import GGUFFile\n"
+            "from ds4ref.tokenizer import Tokenizer\n"
+            "import random\n"
+            "tk = Tokenizer.from_metadata(GGUFFile(default_model_path()).metadata)\n"
+            "r = random.Random(0)\n"
+            "for w in ('the' * 66667, ''.join(r.choice('etaoinshrdlu') for _ in range(200000))):\n"
+            "    ids = tk.encode(w)\n"
+            "    assert tk.decode(ids) == w and len(ids) < 0.8 * len(w), len(ids)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
