@@ -133,9 +133,6 @@ def stream_generate(
     Mirrors ds4.c: ds4_cli.c's run_sampled_generation (l. 465); ds4_server.c's
     generate_job (l. 9706) for stop strings and finish reasons"""
     _check_params(temperature, top_k, top_p, min_p)
-    if temperature > 100:                  # ds4's --temp range; float32 cannot overflow
-        raise GenerationError(f"temperature: expected a number in [0, 100], got "
-                              f"{temperature!r}")
     temperature = float(np.float32(temperature))    # 1e-50 is 0: greedy, as in ds4.c
     max_tokens = integer("max_tokens", max_tokens, GenerationError, lo=0)
     if not isinstance(raw, bool):                     # as Engine.open's resident
@@ -160,8 +157,7 @@ def stream_generate(
 
     n = 0
     while n < budget:
-        with np.errstate(over="ignore"):    # tiny T: (v - max) / T is -inf, as in ds4.c
-            t = s.sample(temperature, top_k, top_p, min_p, rng)
+        t = s.sample(temperature, top_k, top_p, min_p, rng)
         toks = [t]
         if t != tok.eos_id and speculative and n + 1 < budget:
             toks = s.eval_speculative_argmax(t, budget - n, tok.eos_id)

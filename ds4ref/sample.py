@@ -67,7 +67,8 @@ def _expf(x: np.ndarray) -> np.ndarray:
 
 
 def _check_params(temperature, top_k, top_p, min_p) -> None:
-    number("temperature (0 = greedy)", temperature, SamplingError, lo=0)
+    # ds4.c's --temp range; T as float32, so 1e-50 is 0 (greedy), as in ds4.c
+    number("temperature (0 = greedy)", temperature, SamplingError, 0, 100)
     integer("top_k (0 = off)", top_k, SamplingError, lo=0)
     if not 0 < number("top_p", top_p, SamplingError, 0, 1):
         raise SamplingError(f"top_p: must be in (0, 1], got {top_p}")
@@ -130,7 +131,7 @@ def sample(
     """
     _check_params(temperature, top_k, top_p, min_p)
     v = _logits_of(logits)
-    if temperature == 0:
+    if np.float32(temperature) == 0:
         return sample_argmax(v)
     if not isinstance(rng, SampleRNG):
         raise SamplingError(f"rng: a SampleRNG is needed when temperature > 0, got "
@@ -142,7 +143,8 @@ def sample(
     if top_k == 0 and top_p >= 1:
         # full vocabulary, id order, no sort: min-p against the best token's weight 1
         m = np.max(v[ids])
-        probs = _expf((v[ids] - m) / T)
+        with np.errstate(over="ignore"):        # a tiny T: -inf but the best, as ds4.c
+            probs = _expf((v[ids] - m) / T)
         keep = probs >= min_p
         if not keep.any() or not np.isfinite(
             np.cumsum(probs[keep], dtype=np.float32)[-1]
@@ -154,7 +156,8 @@ def sample(
     order = ids[np.argsort(-v[ids], kind="stable")]
     if top_k > 0:
         order = order[:min(int(top_k), TOP_K_MAX, v.size)]
-    probs = _expf((v[order] - v[order[0]]) / T)
+    with np.errstate(over="ignore"):
+        probs = _expf((v[order] - v[order[0]]) / T)
     if not np.isfinite(np.cumsum(probs, dtype=np.float32)[-1]):
         return int(order[0])
     n = _filter_sorted(probs, top_p, min_p)

@@ -242,7 +242,7 @@ DOORS = [
         (3, 256), np.inf, np.float32)))), SessionError, "cache.0.raw: holds NaN or inf"),
     # Session.sample, top_logprobs and the other readers of the logits
     ("Session.sample", lambda c: c.s.sample(-1.0, rng=SampleRNG(1)), SamplingError,
-     "temperature (0 = greedy): expected a finite number >= 0, got -1.0"),
+     "temperature (0 = greedy): expected a finite number in [0, 100], got -1.0"),
     ("Session.sample", lambda c: c.s.sample(NAN, rng=SampleRNG(1)), SamplingError, "got nan"),
     ("Session.sample", lambda c: c.s.sample("1", rng=SampleRNG(1)), SamplingError, "got '1'"),
     ("Session.sample", lambda c: c.s.sample(1.0, top_k=-1, rng=SampleRNG(1)), SamplingError,
@@ -376,6 +376,8 @@ CLI = [
     (["-c", "0", "-n", "1"], "ctx_size: expected an integer >= 2, got 0"),
     (["-c", "8", "-p", "hello there", "-n", "1", "--no-progress"], "do not fit in ctx_size 8"),
     (["--temp", "nan", "-n", "1"], "temperature (0 = greedy): expected a finite number"),
+    (["--temp", "1e308", "-n", "1"], "temperature (0 = greedy): expected a finite number "
+                                     "in [0, 100], got 1e+308"),
     (["--top-p", "0", "-n", "1"], "top_p: must be in (0, 1], got 0.0"),
     (["--top-k", "-1", "-n", "1"], "top_k (0 = off): expected an integer >= 0, got -1"),
     (["--min-p", "2", "-n", "1"], "min_p: expected a finite number in [0, 1], got 2.0"),

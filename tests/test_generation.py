@@ -214,9 +214,9 @@ def test_bad_arguments_raise_named_errors(bundled, tmp_path):
         (dict(stop=5), GenerationError, "stop: expected a str or a list of str, got 5"),
         (dict(stop=0), GenerationError, "stop: expected a str or a list of str, got 0"),
         # ds4's --temp range: a float32 temperature cannot overflow
-        (dict(temperature=1e308), GenerationError, r"temperature: expected a number in "
-                                                   r"\[0, 100\], got 1e\+308"),
-        (dict(temperature=100.5), GenerationError, "temperature: .* got 100.5"),
+        (dict(temperature=1e308), SamplingError, r"temperature \(0 = greedy\): expected a "
+                                                 r"finite number in \[0, 100\], got 1e\+308"),
+        (dict(temperature=100.5), SamplingError, "temperature .* got 100.5"),
         (dict(stop=[""]), GenerationError, "stop: expected non-empty strings"),
         (dict(stop=["ok", 3]), GenerationError, "stop: expected non-empty strings"),
         (dict(temperature=-1.0), SamplingError, "temperature"),
