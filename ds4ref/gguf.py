@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4ref.ggml_types import GGML_BLOCK, GGMLType, type_nbytes  # noqa: F401
+from ds4ref.mapping import _Mapping
 
 
 class DS4RefError(Exception):
@@ -332,44 +334,36 @@ def parse_tensors(c: _Cursor, n_tensors: int, alignment: int):
     return tensors, data_offset, c.pos
 
 
-class _Mapping:
-    """The mapping's plumbing of GGUFFile: warm the pages, unmap, `with`, repr."""
+def _path_to_map(path) -> Path:
+    """`path` as a Path, checked before open(): a non-empty str or os.PathLike naming
+    no FIFO, device or socket. open() waits on a FIFO for a writer and a device maps
+    no file; ds4.c opens whatever it is given. A missing file or a directory is left
+    to open(), which names the reason."""
+    if not isinstance(path, (str, os.PathLike)) or path == "":
+        got = "an empty path" if isinstance(path, str) else repr(path)
+        raise GGUFError(f"path: expected a file path (str or os.PathLike), got {got}")
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return path
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise GGUFError(f"{path}: not a regular file (a FIFO, a device or a socket)")
+    return path
 
-    def warm_pages(self) -> int:
-        """Read one byte of every page of the tensor data, so that later reads find
-        every page mapped: the routed experts a decode step picks for the first time
-        then cost no page faults (a benchmark's warm-up; a long-running server gets
-        there by itself). Returns the number of pages touched.
 
-        Mirrors ds4.c: model_warm_weights (l. 1477)"""
-        if self._mm is None:             # parsed from a buffer: nothing is mapped
-            return 0
-        pages = np.frombuffer(self._mm, np.uint8)[self.data_offset::mmap.PAGESIZE]
-        int(pages.sum(dtype=np.uint64))  # the reads are the point; the sum is discarded
-        return len(pages)
-
-    def close(self) -> None:
-        """Unmap the file. Views still alive (tensor .data) keep the mapping until they
-        are dropped."""
-        mm, self._mm = getattr(self, "_mm", None), None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return (
-            f"GGUFFile({self.path.name!r}, v{getattr(self, 'version', '?')}, "
-            f"{len(getattr(self, 'metadata', {}))} keys, "
-            f"{len(getattr(self, 'tensors', {}))} tensors)"
-        )
+def _byte_view(buf):
+    """`buf` as bytes or a flat byte view for the cursor, which reads it by offset:
+    any bytes-like, C-contiguous buffer."""
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        view = None
+    if view is None or not view.c_contiguous:
+        got = type(buf).__name__ + ("" if view is None else ", not C-contiguous")
+        raise GGUFError("buf: expected a bytes-like, C-contiguous buffer (bytes, "
+                        f"bytearray, a numpy array), got {got}")
+    return buf if isinstance(buf, bytes) else view.cast("B")
 
 
 class GGUFFile(_Mapping):
@@ -381,7 +375,7 @@ class GGUFFile(_Mapping):
     Mirrors ds4.c: model_open (l. 1196)"""
 
     def __init__(self, path):
-        self.path = Path(path)
+        self.path = _path_to_map(path)
         try:
             with open(self.path, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:
@@ -400,7 +394,7 @@ class GGUFFile(_Mapping):
         """Parse GGUF bytes already in memory (tests, generated files)."""
         self = cls.__new__(cls)
         self.path, self._mm = Path(name), None
-        self._parse(memoryview(buf).cast("B") if not isinstance(buf, bytes) else buf)
+        self._parse(_byte_view(buf))
         return self
 
     def _parse(self, buf) -> None:

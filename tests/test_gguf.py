@@ -414,6 +414,68 @@ def test_empty_and_missing_files(tmp_path):
         GGUFFile(tmp_path / "nope.gguf")
 
 
+@pytest.mark.parametrize("path", [5, None, b"/x", ""])
+def test_a_path_that_is_no_str_or_is_empty_is_named(path):
+    """An int would name a file descriptor, bytes an encoding, '' the current directory."""
+    got = "an empty path" if path == "" else repr(path)
+    for door in (GGUFFile, load_model, ds4ref.model_summary):
+        with pytest.raises(GGUFError, match=re.escape(
+                f"path: expected a file path (str or os.PathLike), got {got}")):
+            door(path)
+
+
+def test_a_device_is_not_a_regular_file():
+    """/dev/zero has size 0 and maps no file: refused by its kind, not as an empty GGUF."""
+    with pytest.raises(GGUFError, match="/dev/zero: not a regular file"):
+        GGUFFile("/dev/zero")
+
+
+def test_a_fifo_is_refused_before_open(tmp_path):
+    """open() on a FIFO waits for a writer: each door that takes a model path refuses it
+    first. Run in subprocesses with a timeout, so a regression fails instead of hanging."""
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    code = """if True:
+        import sys
+        import ds4ref
+        from ds4ref.gguf import GGUFError
+        for door in (ds4ref.GGUFFile, ds4ref.load_model, ds4ref.model_summary,
+                     lambda p: ds4ref.Engine.open(p, backend="numpy"),
+                     lambda p: ds4ref.Engine.open(backend="numpy", mtp_path=p)):
+            try:
+                door(sys.argv[1])
+            except GGUFError as e:
+                print(e)
+    """
+    r = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout == f"{fifo}: not a regular file (a FIFO, a device or a socket)\n" * 5
+    r = subprocess.run([sys.executable, "-m", "ds4ref", "--backend", "numpy", "--summary",
+                        "-m", str(fifo)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr == (
+        f"python -m ds4ref: error: {fifo}: not a regular file (a FIFO, a device or a "
+        "socket)\n"), r.stderr
+
+
+@pytest.mark.parametrize("buf, got", [
+    (None, "NoneType"), (5, "int"), ("GGUF", "str"),
+    (memoryview(b"GGUF" * 8)[::2], "memoryview, not C-contiguous"),
+    (np.zeros((4, 4), np.uint8)[:, ::2], "ndarray, not C-contiguous"),
+])
+def test_from_buffer_names_what_it_takes(buf, got):
+    with pytest.raises(GGUFError, match=re.escape(
+            f"buf: expected a bytes-like, C-contiguous buffer (bytes, bytearray, a numpy "
+            f"array), got {got}")):
+        GGUFFile.from_buffer(buf)
+
+
+def test_from_buffer_reads_every_contiguous_bytes_like(oracle_gguf):
+    raw = open(oracle_gguf, "rb").read()
+    for buf in (raw, bytearray(raw), np.frombuffer(raw, np.uint8), memoryview(raw)):
+        assert len(GGUFFile.from_buffer(buf).tensors) == len(GGUFReader(oracle_gguf).tensors)
+
+
 @pytest.mark.parametrize("patch_at, value, message", [
     (8, 2**62, "claims .* tensors, which cannot fit"),                 # tensor count
     (16, 2**63, "claims .* metadata keys"),                             # metadata count
