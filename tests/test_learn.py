@@ -368,3 +368,231 @@ def test_one_sinkhorn_pass_short_is_found_where_it_first_shows(tmp_path):
     assert r.status == "differs"
     assert r.message.startswith(f"layer {l}, position {p}: {s}_hc_mix -> {s}_hc_split")
     assert expected_in(r.message, ops[f"L{l}.P{p}.{s}_hc_split"])
+
+
+# --- a learner's mistakes: a clear message and an exit status, never a traceback ----
+
+def cli(*args, cwd=ROOT):
+    """tools/learn.py run as a learner runs it (a hang fails the test, not the
+    suite)."""
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "learn.py"), *args],
+                          capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def refused(out, *phrases):
+    """The run was refused with one `tools/learn.py: ...` line naming what is wrong."""
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("tools/learn.py"), out.stderr
+    for p in phrases:
+        assert p in line, line
+    return line
+
+
+NOT_NOTEBOOKS = [  # (file name, content or None for a folder, what the message says)
+    ("folder.ipynb", None, "a folder, not a notebook"),
+    ("notes.txt", b"my notes\n", "not a notebook (not valid JSON: Expecting value at "
+                                "line 1, column 1)"),
+    ("empty.ipynb", b"", "not a notebook (not valid JSON"),
+    ("cut.ipynb", b'{"cells": [', "not a notebook (not valid JSON"),
+    ("latin1.ipynb", b"\xff\xfe{}", "not a notebook (not UTF-8 text"),
+    ("list.ipynb", b"[1, 2]", "not a notebook (no list of cells)"),
+    ("nocells.ipynb", b'{"metadata": {}}', "not a notebook (no list of cells)"),
+    ("nosource.ipynb", b'{"cells": [{"cell_type": "code"}]}',
+     "cell 0 has no source text"),
+    ("tags.ipynb", b'{"cells": [{"cell_type": "code", "source": "", "metadata": '
+     b'{"tags": "learn:rms_norm_weight"}}]}', "cell 0 has metadata.tags that is not"),
+]
+
+
+@pytest.mark.parametrize("name, content, says", NOT_NOTEBOOKS,
+                         ids=[n[0] for n in NOT_NOTEBOOKS])
+def test_a_file_that_is_no_notebook_is_named(tmp_path, name, content, says):
+    path = tmp_path / name
+    path.mkdir() if content is None else path.write_bytes(content)
+    refused(cli("check", "04", "--notebook", str(path)), str(path), says)
+
+
+def test_another_chapters_notebook_is_named_with_the_command_that_checks_it(
+        tmp_path):
+    nb = make("05", tmp_path / "05.ipynb")
+    refused(cli("check", "04", "--notebook", str(nb)), "chapter 05's notebook",
+            f"check 05 --notebook {nb}", "chapter 04 marks rms_norm_weight, "
+            "hc_split_sinkhorn")
+    refused(cli("check", "04", "--notebook", str(chapter_path("09"))),
+            "no cell is marked `learn:<name>`", "not chapter 04's")
+
+
+def test_a_chapter_without_functions_to_write_says_so_before_asking_for_make():
+    refused(cli("check", "09"), "chapter 09: no function to write")
+
+
+@pytest.mark.parametrize("typed", ["4", "04_norms_hc"])
+def test_a_chapter_typed_as_a_file_name_or_one_digit_gets_the_number_meant(typed):
+    refused(cli("check", typed), f"chapter {typed!r}", "did you mean 04?")
+
+
+def learner_with(tmp_path, nn, cell_has, edit):
+    """A fresh learner's notebook of chapter nn whose (first) cell containing
+    `cell_has` is edited by edit(source) -> source."""
+    path = make(nn, tmp_path / f"{nn}.ipynb")
+    nb = json.loads(path.read_text())
+    cell = next(c for c in nb["cells"] if cell_has in "".join(c["source"]))
+    cell["source"] = edit("".join(cell["source"]))
+    path.write_text(json.dumps(nb))
+    return path
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda s: s.replace("def rms_norm_weight(", "def my_norm("),
+     "cell 580c6441 (marked learn:rms_norm_weight) defines no `rms_norm_weight`: "
+     "renamed or deleted?"),
+    (lambda s: s.replace("#| export\n", "", 1),
+     "cell 580c6441 (marked learn:rms_norm_weight) has lost its `#| export` line: "
+     "the check runs only export cells"),
+], ids=["renamed", "unexported"])
+def test_a_renamed_or_unexported_function_is_named_with_its_cell(tmp_path, edit, says):
+    nb = learner_with(tmp_path, "04", "def rms_norm_weight(", edit)
+    r = check("04", nb)
+    assert [(x.status, x.message) for x in r] == [("error", says),
+                                                 ("todo", "not written yet")]
+
+
+def test_a_function_the_check_calls_that_is_gone_is_named(tmp_path):
+    nb = learner_with(tmp_path, "01", "def parse_header(",
+                      lambda s: s.replace("def parse_header(", "def read_header("))
+    r = result(check("01", nb), "parse_metadata")
+    assert r.status == "error"
+    assert r.message.startswith("the notebook defines no `parse_header` (the check "
+                                "calls it)"), r.message
+
+
+BOOK_RETURN = "return (x * _rms_scale(x, eps)) * w"   # the book's last line
+
+# (the last line of the learner's rms_norm_weight, what the check says)
+RETURNS = [
+    ("(x * _rms_scale(x, eps)) * w", "returned None (a missing `return`?)"),
+    ("return list((x * _rms_scale(x, eps)) * w)",
+     "returned list, not a numpy array (expected float32 (256,))"),
+    ("return ((x * _rms_scale(x, eps)) * w).astype(np.float64)",
+     "dtype float64, expected float32 (as ds4.c computes it)"),
+    ("return ((x * _rms_scale(x, eps)) * w).astype(np.int64)",
+     "dtype int64, expected float32 (as ds4.c computes it)"),
+]
+
+
+@pytest.mark.parametrize("new, says", RETURNS, ids=["None", "list", "float64", "int"])
+def test_what_a_function_returns_is_judged_by_its_kind_first(tmp_path, new, says):
+    """A float64 result passes a comparison in float32 and a list passes np.asarray:
+    both are named, as a missing return is, not measured as values."""
+    ops, cfg, W, positions = oracle()
+    assert ops[f"L0.P{positions[0]}.attn_norm"].shape == (cfg.n_embd,) == (256,)
+    nb = written(tmp_path, "04", "rms_norm_weight", BOOK_RETURN, new)
+    r = check("04", nb)[0]
+    assert (r.status, r.message) == (
+        "differs", f"layer 0, position {positions[0]}: attn_x -> attn_norm: {says}")
+
+
+def test_floats_for_expert_ids_and_a_float64_decoder_are_named(tmp_path):
+    nb = written(tmp_path, "07", "topk_selected_experts", "return topk_desc(score, k)",
+                 "return topk_desc(score, k).astype(np.float64)")
+    r = result(check("07", nb), "topk_selected_experts")
+    assert r.message.endswith("dtype float64, expected integers (int32)"), r.message
+    nb = written(tmp_path, "02", "_dequantize_q8_0", 'b["qs"].astype(np.float32)',
+                 'b["qs"].astype(np.float64)')
+    r = result(check("02", nb), "_dequantize_q8_0")
+    assert r.status == "differs"
+    assert r.message.endswith("dtype float64, expected float32 (as ds4.c computes "
+                              "it)"), r.message
+
+
+def test_an_endless_loop_in_a_function_is_stopped_and_named(tmp_path):
+    ops, cfg, W, positions = oracle()
+    nb = written(tmp_path, "04", "rms_norm_weight", BOOK_RETURN,
+                 "while True:\n        pass")
+    out = cli("check", "04", "--notebook", str(nb), "--time-limit", "2")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.splitlines()[1] == (
+        f"  rms_norm_weight          FAILS: layer 0, position {positions[0]}: "
+        "attn_x -> attn_norm: still running after 2 s, all its cases together (an "
+        "endless loop?); 0 cases agreed before it; --time-limit SECONDS allows longer")
+    assert "hc_split_sinkhorn        not written yet" in out.stdout
+
+
+def test_an_endless_loop_that_swallows_the_interrupt_is_still_stopped(tmp_path):
+    nb = written(tmp_path, "04", "rms_norm_weight", BOOK_RETURN,
+                 "while True:\n        try:\n            sum(range(10000))\n"
+                 "        except BaseException:\n            pass")
+    out = cli("check", "04", "--notebook", str(nb), "--time-limit", "1")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (
+        "tools/learn.py: rms_norm_weight: still running after 1 s, and it catches the "
+        "interrupt (a bare `except:`?); stopped")
+
+
+def test_an_endless_loop_at_a_cells_top_level_is_named(tmp_path):
+    nb = learner_with(tmp_path, "04", "def rms_norm_weight(",
+                      lambda s: s + "\nwhile True:\n    pass\n")
+    refused(cli("check", "04", "--notebook", str(nb), "--time-limit", "2"),
+            "04.ipynb: cell 580c6441 does not finish within 2 s (an endless loop at "
+            "its top level?)")
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf", "soon"])
+def test_the_time_limit_must_be_a_positive_number_of_seconds(bad):
+    out = cli("check", "04", "--time-limit", bad)
+    assert out.returncode == 2 and out.stderr.strip().endswith(
+        f"argument --time-limit: {bad!r}: not a positive number of seconds")
+
+
+def test_sys_exit_in_the_learners_code_is_reported_not_obeyed(tmp_path):
+    nb = written(tmp_path, "04", "rms_norm_weight", BOOK_RETURN,
+                 "import sys\n    sys.exit('bye')")
+    r = check("04", nb)[0]
+    assert r.status == "error" and r.message.endswith("calls sys.exit('bye')")
+    nb = learner_with(tmp_path, "04", "def rms_norm_weight(",
+                      lambda s: s + "\nimport sys\nsys.exit(3)\n")
+    with pytest.raises(LearnError, match=r"cell 580c6441 does not run: it calls "
+                                         r"sys.exit\(3\)"):
+        check("04", nb)
+
+
+def check_cases(name):
+    """The cases the check runs for `name` (with the book's functions)."""
+    import learn_checks
+    ns = load("04", chapter_path("04"))
+    return learn_checks.CHECKS[name](ns)
+
+
+def test_what_the_learners_function_prints_does_not_bury_the_report(tmp_path):
+    nb = written(tmp_path, "04", "rms_norm_weight", BOOK_RETURN,
+                 "print('x is', x[:2])\n    " + BOOK_RETURN)
+    out = cli("check", "04", "--notebook", str(nb))
+    n = sum(1 for _ in check_cases("rms_norm_weight"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "chapter 04: 1 of 2 functions agree with ds4.c"
+    assert lines[1].startswith(
+        f"  rms_norm_weight          ok: agrees with ds4.c in all {n} cases (it "
+        f"printed {n} lines, not shown; the first: 'x is [")
+    assert len(lines) == 3
+
+
+def test_make_names_a_learn_folder_that_is_a_file_or_cannot_be_written(
+        tmp_path, monkeypatch, capsys):
+    (tmp_path / "learn").write_text("not a folder")
+    monkeypatch.setattr(learn, "LEARN", tmp_path / "learn")
+    assert learn.main(["make", "04"]) == 2
+    assert capsys.readouterr().err == (
+        f"tools/learn.py: {tmp_path / 'learn'}: a file, not a folder; move it away "
+        "and run make again\n")
+
+    def read_only(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(learn, "LEARN", tmp_path / "ro")
+    monkeypatch.setattr(Path, "write_text", read_only)
+    assert learn.main(["make", "04"]) == 2
+    assert capsys.readouterr().err == (
+        f"tools/learn.py: {tmp_path / 'ro' / '04_norms_hc.ipynb'}: cannot write it "
+        "(Permission denied)\n")

@@ -9,6 +9,7 @@ or the book's pages make of it.
     python tools/learn.py make [NN ...] [--force]  learn/NN_x.ipynb per core chapter
                                                    (an existing one is kept: yours)
     python tools/learn.py check NN [--notebook P]  the learner's functions against ds4.c
+                               [--time-limit S]   (S seconds each, all cases; 60)
 
 `make` copies the chapter (outputs cleared) and replaces each marked function's body,
 after its docstring, by a stub that raises NotImplementedError; a first code cell
@@ -19,13 +20,20 @@ the later cells of their notebook. The reference solutions are the chapters.
 `check` runs the learner notebook's export cells (nothing else) in a fresh namespace
 and compares each marked function, op by op, with ds4.c's recorded values (data/oracle)
 or the `gguf` package's decoding; it reports the first place where they differ.
+Whatever the learner's notebook or code does (a folder for a notebook, a syntax error,
+an exception, an endless loop, sys.exit, a None or float64 result), the check names it
+with the function or cell and exits 1 or 2, never with a traceback from inside it.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
+import os
+import signal
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -37,6 +45,7 @@ LEARN = ROOT / "learn"
 TAG = "learn:"
 CORE = ("01", "02", "03", "04", "05", "06", "07", "08")
 STUB = "{name}: write me"
+LIMIT = 60.0      # seconds a learner's function may run, all its cases together
 
 # The first code cell of every learner's notebook (and of every `check` namespace).
 HELPER = '''\
@@ -93,11 +102,19 @@ class LearnError(Exception):
     """A chapter number, notebook or marker the learner tools cannot use."""
 
 
+class TimeLimit(BaseException):
+    """Raised inside the learner's code once it has run past its time. A BaseException,
+    so that their own `except Exception:` does not swallow it."""
+
+
 def chapter_path(nn: str) -> Path:
     hits = sorted(BOOK.glob(f"{nn}_*.ipynb"))
     if not (len(nn) == 2 and nn.isdigit() or len(nn) == 1 and "A" <= nn <= "Z") or not hits:
+        # `4` and `04_norms_hc` are the two likely slips: name the number meant
+        guess = nn.zfill(2) if nn.isdigit() else nn.split("_")[0]
+        hint = f"; did you mean {guess}?" if guess in CORE and guess != nn else ""
         raise LearnError(f"chapter {nn!r}: no book/{nn}_*.ipynb (core chapters: "
-                         f"{', '.join(CORE)})")
+                         f"{', '.join(CORE)}{hint})")
     return hits[0]
 
 
@@ -196,41 +213,171 @@ def make(nn: str, out: Path | None = None) -> Path:
              "source": HELPER.format(nn=nn).splitlines(keepends=True)}]
     nb["cells"] = head + nb["cells"]
     out = out or learner_path(nn)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    write_notebook(out, nb)
     return out
 
 
-def load(nn: str, notebook: Path | None = None) -> dict:
-    """The learner's namespace: the helper cell and every export cell of their notebook,
-    run in order (export cells never depend on the demonstration cells)."""
-    path = Path(notebook) if notebook else learner_path(nn)
+def write_notebook(out: Path, nb: dict) -> None:
+    """Write nb to out, its folder made first; what stands in the way is named."""
+    if out.parent.exists() and not out.parent.is_dir():
+        raise LearnError(f"{out.parent}: a file, not a folder; move it away and run "
+                         "make again")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    except OSError as e:
+        raise LearnError(f"{out}: cannot write it ({e.strerror or e})") from e
+
+
+def notebook_path(nn: str, notebook=None) -> Path:
+    return Path(notebook) if notebook else learner_path(nn)
+
+
+def read_notebook(path: Path, nn: str) -> dict:
+    """The notebook at path, its cells checked to be what the check reads; anything
+    else (a folder, a text file, broken JSON, a cell without source) is named."""
     if not path.exists():
         raise LearnError(f"{path}: no learner's notebook; run `python tools/learn.py "
                          f"make {nn}` (or `make learn`) first")
-    nb = json.loads(path.read_text())
+    if path.is_dir():
+        raise LearnError(f"{path}: a folder, not a notebook (give --notebook a "
+                         ".ipynb file)")
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise LearnError(f"{path}: cannot read it ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise LearnError(f"{path}: not a notebook (not UTF-8 text: {e.reason} at "
+                         f"byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise LearnError(f"{path}: not a notebook (not valid JSON: {e.msg} at line "
+                         f"{e.lineno}, column {e.colno})") from e
+    if not (isinstance(nb, dict) and isinstance(nb.get("cells"), list)):
+        raise LearnError(f"{path}: not a notebook (no list of cells)")
+    for i, cell in enumerate(nb["cells"]):
+        problem = cell_problem(cell)
+        if problem:
+            raise LearnError(f"{path}: not a notebook the check can read: cell {i} "
+                             f"{problem}")
+    return nb
+
+
+def cell_problem(cell) -> str | None:
+    """What keeps the check from reading a cell (None: nothing)."""
+    if not isinstance(cell, dict) or not isinstance(cell.get("cell_type"), str):
+        return "is not a cell (no cell_type)"
+    src = cell.get("source")
+    if not (isinstance(src, str) or isinstance(src, list)
+            and all(isinstance(line, str) for line in src)):
+        return "has no source text"
+    meta = cell.get("metadata", {})
+    if not isinstance(meta, dict) or not isinstance(meta.get("tags", []), list):
+        return "has metadata.tags that is not a list"
+    return None
+
+
+def belongs(nb: dict, nn: str, path: Path) -> None:
+    """Refuse a notebook that marks none of chapter nn's functions: another chapter's
+    notebook checked under the wrong number, or no learner's notebook at all."""
+    theirs = {q for _, _, _, names in cells(nb) for q in names}
+    want = [q for _, q in marked(nn)]
+    if theirs & set(want):
+        return
+    other = [c for c in CORE if theirs & {q for _, q in marked(c)}]
+    what = (f"chapter {other[0]}'s notebook (`tools/learn.py check {other[0]} "
+            f"--notebook {path}` checks it)" if other else
+            "no learner's notebook (no cell is marked `learn:<name>`)")
+    raise LearnError(f"{path}: {what}, not chapter {nn}'s; chapter {nn} marks "
+                     f"{', '.join(want)}")
+
+
+def why_missing(nb: dict, qualname: str) -> str:
+    """Why the learner's namespace has no qualname, in terms of their notebook."""
+    top = qualname.split(".")[0]
+    for cell, _, mod, names in cells(nb):
+        if qualname in names:
+            where = f"cell {cell.get('id')} (marked learn:{qualname})"
+            if mod is None:
+                return (f"{where} has lost its `#| export` line: the check runs only "
+                        "export cells")
+            return f"{where} defines no `{top}`: renamed or deleted?"
+    return f"no cell is marked learn:{qualname} and no export cell defines `{top}`"
+
+
+@contextlib.contextmanager
+def time_limit(seconds, what: str):
+    """Raise TimeLimit in the code inside once it has run `seconds`: a learner's
+    endless loop must not hang the check. seconds None: no limit. Where there is no
+    SIGALRM (Windows) or off the main thread, nothing can interrupt it: no limit.
+    A computation inside one C call (a huge numpy op) is interrupted when it returns."""
+    if seconds is None or not hasattr(signal, "setitimer") \
+            or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if seconds <= 0:
+        raise TimeLimit(what)
+    fired = [0]
+
+    def alarm(signum, frame):
+        fired[0] += 1
+        if fired[0] > 5:      # their code swallowed it five times (a bare except:)
+            print(f"tools/learn.py: {what}: still running after {seconds:g} s, and "
+                  "it catches the interrupt (a bare `except:`?); stopped",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        raise TimeLimit(what)
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)   # then again every second
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def load(nn: str, notebook: Path | None = None, limit: float | None = LIMIT) -> dict:
+    """The learner's namespace: the helper cell and every export cell of their notebook,
+    run in order (export cells never depend on the demonstration cells)."""
+    path = notebook_path(nn, notebook)
+    nb = read_notebook(path, nn)
+    belongs(nb, nn, path)
     # a registered module: dataclasses look their class's module up in sys.modules
     mod = types.ModuleType(f"learn_{nn}")
     sys.modules[mod.__name__] = mod
     ns = mod.__dict__
+    # the tool's own helper, whatever became of the notebook's copy of it
+    exec(compile(HELPER.format(nn=nn), "learn-helper", "exec"), ns)
+    ns["INSTALL"] = False           # the check leaves ds4ref as the book wrote it
     mine = {}
     for cell, _, mods in code_cells(nb):
-        src = "".join(cell["source"])
-        if cell.get("id") == "learn-helper" or mods:
-            try:
-                exec(compile(src, f"{path.name} cell {cell.get('id')}", "exec"), ns)
-            except Exception as e:      # the learner's cell: say which, do not crash
-                raise LearnError(f"{path.name}: cell {cell.get('id')} does not run: "
-                                 f"{type(e).__name__}: {e}") from e
-            ns["INSTALL"] = False       # the check leaves ds4ref as the book wrote it
+        if mods and cell.get("id") != "learn-helper":
+            run_cell(ns, cell, path, limit)
         for t in cell.get("metadata", {}).get("tags", []):
-            if t.startswith(TAG):
-                top = t[len(TAG):].split(".")[0]
+            top = t[len(TAG):].split(".")[0]
+            if t.startswith(TAG) and top in ns:     # absent: check says why
                 mine[top] = ns[top]
     # a later cell may import the book's version under the same name: the learner's
     # functions win, for the check and for the functions that call them
     ns.update(mine)
     return ns
+
+
+def run_cell(ns: dict, cell: dict, path: Path, limit) -> None:
+    """Run one of the learner's export cells in ns; whatever stops it is named with
+    the cell, never a traceback from inside the tool."""
+    name = f"{path.name}: cell {cell.get('id')}"
+    try:
+        code = compile("".join(cell["source"]), f"{path.name} cell {cell.get('id')}",
+                       "exec")
+        with time_limit(limit, name):
+            exec(code, ns)
+    except TimeLimit:
+        raise LearnError(f"{name} does not finish within {limit:g} s (an endless "
+                         "loop at its top level?)") from None
+    except SystemExit as e:
+        raise LearnError(f"{name} does not run: it calls sys.exit({e.code!r})") from e
+    except Exception as e:          # the learner's cell: say which, do not crash
+        raise LearnError(f"{name} does not run: {type(e).__name__}: {e}") from e
 
 
 def main(argv: list[str]) -> int:
@@ -244,6 +391,9 @@ def main(argv: list[str]) -> int:
     c = sub.add_parser("check", help="check a learner's functions against ds4.c")
     c.add_argument("chapter")
     c.add_argument("--notebook", type=Path, default=None)
+    c.add_argument("--time-limit", type=seconds, default=LIMIT, metavar="SECONDS",
+                   help=f"how long each function may run, all its cases together "
+                   f"(default {LIMIT:g})")
     a = p.parse_args(argv)
     try:
         if a.cmd == "make":
@@ -258,12 +408,26 @@ def main(argv: list[str]) -> int:
             return 0
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from learn_checks import check, report
-        results = check(a.chapter, a.notebook)
+        results = check(a.chapter, a.notebook, a.time_limit)
         print(report(a.chapter, results))
         return 1 if any(r.status in ("differs", "error") for r in results) else 0
     except LearnError as e:
         print(f"tools/learn.py: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("tools/learn.py: interrupted", file=sys.stderr)
+        return 130
+
+
+def seconds(text: str) -> float:
+    """--time-limit's argument: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: not a positive number of seconds")
+    return value
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ in the reader's terms (op, layer, position, index, expected against got, bound).
 The bounds are the chapters' own (the ones they print and assert)."""
 from __future__ import annotations
 
+import io
+import time
+from contextlib import redirect_stdout
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -13,7 +16,8 @@ import numpy as np
 
 from ds4ref.bundled import data_path
 from ds4ref.checks import rel
-from learn import STUB, LearnError, load, marked
+from learn import (CORE, LIMIT, STUB, LearnError, TimeLimit, load, marked,
+                   notebook_path, read_notebook, time_limit, why_missing)
 
 
 # what each function is checked against (default: ds4.c's recorded values)
@@ -28,6 +32,17 @@ class Result:
     name: str
     status: str       # "ok", "todo" (not written yet), "differs", "error"
     message: str
+
+
+class Undefined(Exception):
+    """The learner's namespace lacks a name the check calls."""
+
+
+def defined(ns: dict, name: str):
+    """ns[name], or Undefined naming it (a learner may rename or delete anything)."""
+    if name not in ns:
+        raise Undefined(name)
+    return ns[name]
 
 
 @lru_cache(maxsize=None)
@@ -52,6 +67,9 @@ def _at(idx, axes) -> str:
 def differs(got, want, bound, axes=None) -> str | None:
     """None when got matches want (exactly when bound is None, else max rel err <=
     bound); else where and by how much, in words."""
+    kind = kind_problem(got, want)
+    if kind:
+        return kind
     want = np.asarray(want)
     try:
         got = np.asarray(got, dtype=want.dtype)
@@ -79,25 +97,75 @@ def differs(got, want, bound, axes=None) -> str | None:
             f"got {float(got[i]):.7g} (max rel err {err:.1e}, bound {bound:.0e})")
 
 
-def run_cases(ns: dict, name: str, cases) -> Result:
-    """Run one function's cases in order and stop at the first that differs."""
+def kind_problem(got, want) -> str | None:
+    """What is wrong with the kind of what the learner returned, before its values:
+    None (a forgotten `return`), a list where ds4.c's values are an array, a dtype
+    other than ds4.c's (float64 hides in a float32 comparison; floats in an index)."""
+    if got is None:
+        return "returned None (a missing `return`?)"
+    if not isinstance(want, np.ndarray):
+        return None                     # a list or a number: compared by value
+    if not isinstance(got, (np.ndarray, np.generic)):
+        return (f"returned {type(got).__name__}, not a numpy array (expected "
+                f"{want.dtype} {want.shape})")
+    if want.dtype.kind == "f" and got.dtype != want.dtype:
+        return f"dtype {got.dtype}, expected {want.dtype} (as ds4.c computes it)"
+    if want.dtype.kind in "iub" and got.dtype.kind not in "iub":
+        return f"dtype {got.dtype}, expected integers ({want.dtype})"
+    return None
+
+
+def run_cases(ns: dict, name: str, cases, limit: float | None = LIMIT) -> Result:
+    """Run one function's cases in order and stop at the first that differs; what
+    it prints is held back, so that the report stays readable."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        r = _run_cases(ns, name, cases, limit)
+    lines = [line for line in out.getvalue().splitlines()
+             if ": not written yet, running the book's" not in line]
+    if lines:
+        r.message += (f" (it printed {len(lines)} lines, not shown; the first: "
+                      f"{lines[0][:60]!r})")
+    return r
+
+
+def _run_cases(ns, name, cases, limit) -> Result:
     strict = ns.setdefault("STRICT", set())
     strict.add(name)
-    n = 0
+    n, left, cases = 0, limit, iter(cases)
     try:
-        for where, got_fn, want, bound, axes in cases:
+        while True:
             try:
-                got = got_fn()
+                # the check's own setup (the oracle, an engine) is not on the clock
+                where, got_fn, want, bound, axes = next(cases, (None,) * 5)
+                if got_fn is None:
+                    break
+                start = time.monotonic()
+                with time_limit(left, name):
+                    got = got_fn()
+                    # want None: the case judged itself (None, or what is wrong)
+                    msg = got if want is None else differs(got, want, bound, axes)
+                if left is not None:
+                    left -= time.monotonic() - start
             except NotImplementedError as e:
                 stub = str(e).split(": write")[0]
                 if str(e).startswith(STUB.format(name=stub)):
                     return Result(name, "todo", "not written yet" if stub == name else
                                   f"needs {stub}, not written yet")
                 return Result(name, "error", f"{where}: NotImplementedError: {e}")
+            except Undefined as e:
+                return Result(name, "error", f"the notebook defines no `{e}` (the "
+                              "check calls it): renamed or deleted, or its cell lost "
+                              "its `#| export` line?")
+            except TimeLimit:
+                return Result(name, "error", f"{where}: still running after {limit:g} "
+                              f"s, all its cases together (an endless loop?); {n} "
+                              "cases agreed before it; --time-limit SECONDS allows "
+                              "longer")
+            except SystemExit as e:
+                return Result(name, "error", f"{where}: calls sys.exit({e.code!r})")
             except Exception as e:     # the learner's code: report, never crash
                 return Result(name, "error", f"{where}: {type(e).__name__}: {e}")
-            # want None: the case judged itself (None, or what is wrong)
-            msg = got if want is None else differs(got, want, bound, axes)
             if msg:
                 return Result(name, "differs", f"{where}: {msg}")
             n += 1
@@ -120,10 +188,11 @@ def _opened(ns, got):
     so the steps are called here by name)."""
     if "f" not in got:
         from types import SimpleNamespace
-        c = ns["_Cursor"]((data_path("oracle") / "dev_seed1.gguf").read_bytes())
-        _, n_tensors, n_kv = ns["parse_header"](c)
-        metadata, _, alignment = ns["parse_metadata"](c, n_kv)
-        tensors, _, _ = ns["parse_tensors"](c, n_tensors, alignment)
+        c = defined(ns, "_Cursor")((data_path("oracle") / "dev_seed1.gguf")
+                                   .read_bytes())
+        _, n_tensors, n_kv = defined(ns, "parse_header")(c)
+        metadata, _, alignment = defined(ns, "parse_metadata")(c, n_kv)
+        tensors, _, _ = defined(ns, "parse_tensors")(c, n_tensors, alignment)
         got["f"] = SimpleNamespace(metadata=metadata, alignment=alignment,
                                    tensors=tensors)
     return got["f"]
@@ -177,17 +246,19 @@ def _dequant_cases(decode, ggml_type: int, per_block: int):
         want = dequantize(raw, t.tensor_type).astype(np.float32)  # [rows, n]
 
         def got(raw=raw, want=want):
-            return np.asarray(decode(raw), np.float32).reshape(want.shape)
+            out = decode(raw)           # [rows, nb, block]: compared as [rows, n]
+            ok = isinstance(out, np.ndarray) and out.size == want.size
+            return out.reshape(want.shape) if ok else out
         yield (f"tensor {t.name!r}, rows 0-7, as `gguf` dequantizes it", got, want,
                None, ("row", "weight"))
 
 
 def check_q8_0(ns):
-    return _dequant_cases(ns["_dequantize_q8_0"], 8, 32)
+    return _dequant_cases(defined(ns, "_dequantize_q8_0"), 8, 32)
 
 
 def check_iq2_xxs(ns):
-    return _dequant_cases(ns["_dequantize_iq2_xxs"], 16, 256)
+    return _dequant_cases(defined(ns, "_dequantize_iq2_xxs"), 16, 256)
 
 
 # --- chapters 03-07: ds4.c's recorded ops of case A --------------------------------
@@ -208,7 +279,7 @@ def check_q8_0_dot(ns):
              ("ffn_gate_shexp", "q8.ffn_gate_shexp", "shared_gate"),
              ("ffn_up_shexp", "q8.ffn_gate_shexp", "shared_up"),
              ("ffn_down_shexp", "q8.ffn_down_shexp", "shared_out")]
-    fn = ns["matvec_q8_0_prequant"]
+    fn = defined(ns, "matvec_q8_0_prequant")
     for l, p, k in _layer_pos():
         for field, act, out in cases:
             a = Q8Act(ops[k + act + ".qs"], ops[k + act + ".d"])
@@ -219,7 +290,7 @@ def check_q8_0_dot(ns):
 
 def check_rms_norm(ns):
     ops, cfg, W, _ = oracle()
-    fn = ns["rms_norm_weight"]
+    fn = defined(ns, "rms_norm_weight")
     for l, p, k in _layer_pos():
         for src, dst, wname in (("attn_x", "attn_norm", "attn_norm"),
                                 ("qr", "qr_norm", "attn_q_a_norm"),
@@ -232,7 +303,7 @@ def check_rms_norm(ns):
 
 def check_sinkhorn(ns):
     ops, cfg, W, _ = oracle()
-    fn = ns["hc_split_sinkhorn"]
+    fn = defined(ns, "hc_split_sinkhorn")
 
     def split(mix, scale, base):
         pre, post, comb = fn(mix, scale, base, cfg.n_hc, cfg.hc_sinkhorn_iter)
@@ -249,7 +320,7 @@ def check_sinkhorn(ns):
 
 def check_rope(ns):
     ops, cfg, W, _ = oracle()
-    fn = ns["rope_tail"]
+    fn = defined(ns, "rope_tail")
     for l, p, k in _layer_pos():
         ratio = cfg.compress_ratios[l]
         for src, dst, window, inverse in (
@@ -270,7 +341,7 @@ def check_rope(ns):
 
 def check_attention(ns):
     ops, cfg, W, _ = oracle()
-    fn = ns["attention_rows"]
+    fn = defined(ns, "attention_rows")
     for l, p, k in _layer_pos():
         raw = ops[k + "cache_raw"]
         comp = ops.get(k + "cache_comp", np.zeros((0, cfg.head_dim), np.float32))
@@ -284,7 +355,7 @@ def check_attention(ns):
 
 def check_pool(ns):
     ops, cfg, W, _ = oracle()
-    fn = ns["compressor_pool"]
+    fn = defined(ns, "compressor_pool")
     for l, p, k in _layer_pos():
         for nm in ("comp", "icomp"):
             if k + nm + "_state_kv" not in ops:
@@ -297,7 +368,7 @@ def check_pool(ns):
 
 def check_indexer_topk(ns):
     ops, cfg, W, _ = oracle()
-    fn = ns["indexer_topk"]
+    fn = defined(ns, "indexer_topk")
     for l, p, k in _layer_pos():
         if k + "idx_selected" in ops and k + "idx_scores" in ops:
             yield (f"layer {l}, position {p}: the top {cfg.indexer_top_k} of "
@@ -309,7 +380,7 @@ def check_indexer_topk(ns):
 def check_hash(ns):
     from ds4ref.backend import NUMPY
     ops, cfg, W, positions = oracle()
-    fn = ns["hash_selected_experts"]
+    fn = defined(ns, "hash_selected_experts")
     for l in range(cfg.n_hash_layer):
         lw = NUMPY.place_layer(W.layers[l])
         for p in positions:
@@ -321,7 +392,7 @@ def check_hash(ns):
 
 def check_topk(ns):
     ops, cfg, W, positions = oracle()
-    fn = ns["topk_selected_experts"]
+    fn = defined(ns, "topk_selected_experts")
     for l in range(cfg.n_hash_layer, cfg.n_layer):
         bias = W.layers[l].ffn_exp_probs_b.numpy()
         for p in positions:
@@ -356,7 +427,7 @@ def check_sync(ns):
 
     def sync(toks):
         if "s" not in box:
-            box["s"] = ns["Session"](eng, 64)
+            box["s"] = defined(ns, "Session")(eng, 64)
         return box["s"].sync(toks)
 
     def within(index):
@@ -396,23 +467,32 @@ CHECKS = {
 }
 
 
-def check(nn: str, notebook=None) -> list[Result]:
+def check(nn: str, notebook=None, limit: float | None = LIMIT) -> list[Result]:
     """Each marked function of chapter nn, from the learner's notebook (default
-    learn/NN_x.ipynb; a chapter itself passes as well), against its reference."""
+    learn/NN_x.ipynb; a chapter itself passes as well), against its reference; limit:
+    the seconds each function may run, all its cases together (None: no limit)."""
     names = [q for _, q in marked(nn)]
+    if not names:
+        raise LearnError(f"chapter {nn}: no function to write (the core chapters, "
+                         f"{', '.join(CORE)}, have them)")
     missing = [q for q in names if q not in CHECKS]
     if missing:
         raise LearnError(f"chapter {nn}: no check for {missing} in "
                          "tools/learn_checks.py")
-    ns = load(nn, notebook)
+    ns = load(nn, notebook, limit)
+    nb = read_notebook(notebook_path(nn, notebook), nn)
     out = []
     for q in names:
+        if q.split(".")[0] not in ns:
+            out.append(Result(q, "error", why_missing(nb, q)))
+            continue
         try:
             cases = CHECKS[q](ns)
-        except KeyError as e:
-            out.append(Result(q, "error", f"the notebook defines no {e}"))
+        except Undefined as e:
+            out.append(Result(q, "error", f"the notebook defines no `{e}` (the check "
+                              "calls it)"))
             continue
-        out.append(run_cases(ns, q, cases))
+        out.append(run_cases(ns, q, cases, limit))
     return out
 
 
