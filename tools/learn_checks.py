@@ -37,6 +37,10 @@ class Result:
 class Undefined(Exception):
     """The learner's namespace lacks a name the check calls."""
 
+    def __str__(self) -> str:
+        return (f"the notebook defines no `{self.args[0]}` (the check calls it): renamed "
+                "or deleted, or its cell lost its `#| export` line?")
+
 
 def defined(ns: dict, name: str):
     """ns[name], or Undefined naming it (a learner may rename or delete anything)."""
@@ -154,9 +158,7 @@ def _run_cases(ns, name, cases, limit) -> Result:
                                   f"needs {stub}, not written yet")
                 return Result(name, "error", f"{where}: NotImplementedError: {e}")
             except Undefined as e:
-                return Result(name, "error", f"the notebook defines no `{e}` (the "
-                              "check calls it): renamed or deleted, or its cell lost "
-                              "its `#| export` line?")
+                return Result(name, "error", str(e))
             except TimeLimit:
                 return Result(name, "error", f"{where}: still running after {limit:g} "
                               f"s, all its cases together (an endless loop?); {n} "
@@ -480,17 +482,16 @@ def check(nn: str, notebook=None, limit: float | None = LIMIT) -> list[Result]:
         raise LearnError(f"chapter {nn}: no check for {missing} in "
                          "tools/learn_checks.py")
     ns = load(nn, notebook, limit)
-    nb = read_notebook(notebook_path(nn, notebook), nn)
     out = []
     for q in names:
-        if q.split(".")[0] not in ns:
+        if q.split(".")[0] not in ns:     # read again only to say why
+            nb = read_notebook(notebook_path(nn, notebook), nn)
             out.append(Result(q, "error", why_missing(nb, q)))
             continue
         try:
             cases = CHECKS[q](ns)
         except Undefined as e:
-            out.append(Result(q, "error", f"the notebook defines no `{e}` (the check "
-                              "calls it)"))
+            out.append(Result(q, "error", str(e)))
             continue
         out.append(run_cases(ns, q, cases, limit))
     return out
