@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4ref.arguments import file_path
 from ds4ref.ggml_types import GGML_BLOCK, GGMLType, type_nbytes  # noqa: F401
 from ds4ref.mapping import _Mapping
 
@@ -335,14 +336,11 @@ def parse_tensors(c: _Cursor, n_tensors: int, alignment: int):
 
 
 def _path_to_map(path) -> Path:
-    """`path` as a Path, checked before open(): a non-empty str or os.PathLike naming
-    no FIFO, device or socket. open() waits on a FIFO for a writer and a device maps
-    no file; ds4.c opens whatever it is given. A missing file or a directory is left
-    to open(), which names the reason."""
-    if not isinstance(path, (str, os.PathLike)) or path == "":
-        got = "an empty path" if isinstance(path, str) else repr(path)
-        raise GGUFError(f"path: expected a file path (str or os.PathLike), got {got}")
-    path = Path(path)
+    """`path` as a Path, checked before open(): a non-empty str or os.PathLike (the
+    check every entry point runs) naming no FIFO, device or socket. open() waits on a
+    FIFO for a writer and a device maps no file; ds4.c opens whatever it is given. A
+    missing file or a directory is left to open(), which names the reason."""
+    path = file_path("path", path, GGUFError)
     try:
         mode = os.stat(path).st_mode
     except OSError:

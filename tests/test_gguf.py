@@ -420,7 +420,7 @@ def test_empty_and_missing_files(tmp_path):
 @pytest.mark.parametrize("path", [5, None, b"/x", ""])
 def test_a_path_that_is_no_str_or_is_empty_is_named(path):
     """An int would name a file descriptor, bytes an encoding, '' the current directory."""
-    got = "an empty path" if path == "" else repr(path)
+    got = repr(path)
     for door in (GGUFFile, load_model, ds4ref.model_summary):
         with pytest.raises(GGUFError, match=re.escape(
                 f"path: expected a file path (str or os.PathLike), got {got}")):
