@@ -27,7 +27,9 @@ def _write(text: str) -> None:
         sys.stdout.flush()
     except OSError as exc:
         # what stdout still buffers goes to /dev/null, so Python's exit flush is quiet
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         if isinstance(exc, BrokenPipeError):
             raise
         raise CLIError(f"cannot write output: {exc.strerror or exc}") from None

@@ -67,7 +67,7 @@ def _expf(x: np.ndarray) -> np.ndarray:
 
 
 def _check_params(temperature, top_k, top_p, min_p) -> None:
-    # ds4.c's --temp range; T as float32, so 1e-50 is 0 (greedy), as in ds4.c
+    # ds4.c's --temp range
     number("temperature (0 = greedy)", temperature, SamplingError, 0, 100)
     integer("top_k (0 = off)", top_k, SamplingError, lo=0)
     if not 0 < number("top_p", top_p, SamplingError, 0, 1):
@@ -131,7 +131,7 @@ def sample(
     """
     _check_params(temperature, top_k, top_p, min_p)
     v = _logits_of(logits)
-    if np.float32(temperature) == 0:
+    if np.float32(temperature) == 0:     # T as float32: 1e-50 is greedy, as in ds4.c
         return sample_argmax(v)
     if not isinstance(rng, SampleRNG):
         raise SamplingError(f"rng: a SampleRNG is needed when temperature > 0, got "
