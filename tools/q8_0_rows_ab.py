@@ -10,6 +10,9 @@ themselves, on the same weights and activation):
   vnni-16   q8_0_rows_vnni_kernel   (16 rows per register)
   avx2-1    q8_0_avx2_kernel        (one row at a time, AVX2 byte dots)
   avx2-8    q8_0_rows_avx2_kernel   (8 rows per register)
+  tiles     with --tiles: avx2-8's block step on a copy of the weight laid out in tiles, block b of
+            rows 8t..8t+7 side by side (34-byte blocks moved, none changed), read front to back;
+            an experiment of this script, not a package kernel (the package reads the GGUF's layout)
 
 Each timing cycles through copies of the weight (--stream-mb) so that they stream from memory, as in a
 decode step. Prints the best GB/s per variant and the median over rounds of the paired ratio
@@ -18,6 +21,7 @@ that the numba Q8_0 matvec's per-CPU choice between the two AVX2 decode kernels 
 
     python tools/q8_0_rows_ab.py                  # 2 and 1 threads, 5 rounds
     python tools/q8_0_rows_ab.py --out book/results/q8_0_rows_<cpu>.json
+    python tools/q8_0_rows_ab.py --tiles --out book/results/q8_0_tiles_<cpu>.json
 """
 from __future__ import annotations
 
@@ -36,10 +40,44 @@ from kernel_ab import add_ab_args, paired_median, q8_0_cases, time_variants  # n
 SHAPES = ((4096, 8192), (32768, 1024), (2048, 4096), (4096, 2048))
 
 
+def tile_layout(w: np.ndarray) -> np.ndarray:
+    """Q8_0 rows uint8 [rows, 34 nb] (rows a multiple of 8) -> the same bytes in tiles:
+    tile t holds block 0 of rows 8t..8t+7, then block 1 of those rows, and so on."""
+    rows, row_bytes = w.shape
+    tiles = w.reshape(rows // 8, 8, row_bytes // 34, 34).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(tiles).reshape(rows, row_bytes)
+
+
+def tiles_kernel():
+    """A kernel (wt, xq, xd, xc, lut, out) for one token on tile_layout's copy: per tile
+    and block, D.7's one-block step of 8 rows (rows 34 bytes apart), asking for the
+    bytes two tiles on, front to back; the bits of q8_0_rows_avx2_kernel."""
+    from numba import njit, prange
+    from ds4ref.backends.numba.isa import prefetch
+    from ds4ref.backends.numba.q8_0.rows import _rows_avx2_1 as step
+
+    @njit(parallel=True)
+    def q8_0_tiles_avx2_kernel(wt, xq, xd, xc, lut, out):
+        nb, tile_bytes = wt.shape[1] // 34, 8 * wt.shape[1]
+        x, c, d = xq.ctypes.data, xc.ctypes.data, xd.ctypes.data
+        for tile in prange(wt.shape[0] // 8):
+            acc = np.zeros(8, np.float32)
+            base = wt.ctypes.data + tile * tile_bytes
+            for b in range(nb):
+                blk = base + 272 * b                 # 8 blocks of 34 bytes
+                for line in range(5):                # the 272 bytes two tiles on
+                    prefetch(blk + 2 * tile_bytes + 64 * line)
+                step(blk + 2, 34, x + 32 * b, c + 4 * b, d + 4 * b, acc.ctypes.data)
+            out[0, 8 * tile:8 * tile + 8] = acc
+    return q8_0_tiles_avx2_kernel
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_ab_args(ap, threads="2,1", tokens="1")
     ap.add_argument("--out", help="write the rows as JSON to this path")
+    ap.add_argument("--tiles", action="store_true",
+                    help="add the tiles variant (AVX2, one token): the weight copied into tiles")
     args = ap.parse_args(argv)
 
     from ds4ref.backends.numba.isa import F16_TO_F32, host_simd, run_kernel
@@ -56,12 +94,18 @@ def main(argv=None) -> None:
         kernels |= {"avx2-1": q8_0_avx2_kernel, "avx2-8": q8_0_rows_avx2_kernel}
     if not kernels:
         sys.exit("this CPU (or NUMBA_CPU_NAME) has neither AVX2 nor AVX-512 VNNI: nothing to compare")
+    if args.tiles:
+        if "avx2" not in have or args.tokens != "1":
+            sys.exit("--tiles: AVX2 and one token (--tokens 1) only")
+        kernels["tiles"] = tiles_kernel()
     base = next(iter(kernels))
 
     def call(variant, w, a):
         xq, xd, xc = a
         out = np.empty((len(xq), w.shape[0]), np.float32)
         k = kernels[variant]
+        if variant == "tiles":
+            w = tiled[id(w)]
         if k is q8_0_avx2_kernel:
             run_kernel(k, w, xq, xd, F16_TO_F32, out, rows=w.shape[0])
         else:
@@ -71,6 +115,8 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     results = []
     for threads, rows, n, w, copies in q8_0_cases(args, rng, SHAPES):
+        # each copy's tiles, made before any timing
+        tiled = {id(c): tile_layout(c) for c in copies} if args.tiles else {}
         for T in [int(t) for t in args.tokens.split(",")]:
             xq = rng.integers(-127, 128, (T, n), dtype=np.int8)  # no -128: AVX2's domain
             xd = rng.uniform(0.001, 1, (T, n // 32)).astype(np.float32)
