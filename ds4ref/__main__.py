@@ -9,6 +9,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from ds4ref.gguf import DS4RefError
 
 PROG = "python -m ds4ref"
@@ -173,6 +175,8 @@ def generate(args) -> int:
         _write(model_summary(model) + "\n")
         return 0
     _check_params(args.temp, args.top_k, args.top_p, args.min_p)
+    # ds4.c keeps --temp in a float: 1e-50 is 0, greedy, with MTP drafts and no seed
+    args.temp = float(np.float32(args.temp))
     stops = StopStrings(args.stop)
     if args.tokens < 0:
         raise CLIError(f"argument -n/--tokens: must be >= 0, got {args.tokens}")

@@ -296,6 +296,26 @@ def test_cli_says_why_it_stopped(bundled):
     assert out == want + "\n" and "stopped at a --stop string" in err[-1]
 
 
+def test_cli_takes_a_tiny_temperature_as_ds4c_does(bundled, monkeypatch):
+    """ds4.c keeps --temp in a float, so 1e-50 is 0: greedy, speculative with MTP drafts
+    (its `temperature <= 0.0f` test, ds4_cli.c l. 515), and no seed to report."""
+    from ds4ref.session import Session
+    calls = []
+    real = Session.eval_speculative_argmax
+
+    def counted(self, *a, **kw):
+        calls.append(a)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(Session, "eval_speculative_argmax", counted)
+    greedy = run_cli("-p", "Return a", "-n", "6", "--temp", "0", "--mtp-draft", "2")
+    n_greedy, calls[:] = len(calls), []
+    tiny = run_cli("-p", "Return a", "-n", "6", "--temp", "1e-50", "--mtp-draft", "2")
+    assert tiny[0] == 0 and tiny[1] == greedy[1]
+    assert len(calls) == n_greedy > 0
+    assert "seed=" not in tiny[2][-1] and "seed=" in run_cli(
+        "-p", "Return a", "-n", "2", "--temp", "1e-45")[2][-1]
+
+
 def test_cli_reports_eos(bundled, monkeypatch):
     from ds4ref import engine as engine_mod
     ids = prompt_tokens(bundled.tokenizer, "Return a", raw=True)
