@@ -4,11 +4,13 @@
 ds4ref.session's."""
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from ds4ref.arguments import file_path
 from ds4ref.backend import BackendError, NumpyBackend
 from ds4ref.gguf import DS4RefError
+from ds4ref.session_state import gguf_digest
 # the session errors, re-exported: callers catch them from the engine
 from ds4ref.session import (  # noqa: F401
     ContextOverflowError,
@@ -136,6 +138,12 @@ class Engine:
         """Whether an MTP draft block is loaded.
         Mirrors ds4.c: ds4_engine_has_mtp (l. 15987)"""
         return self.mtp is not None
+
+    @cached_property
+    def model_digest(self) -> str:
+        """The digest of this engine's GGUF that session files and snapshots carry
+        (gguf_digest), computed once."""
+        return gguf_digest(self.gguf)
 
     def session(
         self, ctx_size: int | None = None, force_decisions: dict | None = None

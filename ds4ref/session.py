@@ -22,7 +22,6 @@ from ds4ref.session_state import (  # noqa: F401
     TokenRangeError,
     check_ctx_size,
     check_snapshot,
-    model_digest,
     read_session,
     session_arrays,
     session_header,
@@ -141,7 +140,7 @@ class SessionBase:
             self._cache.copy(),
             self.ctx_size,
             self.cfg,
-            model_digest(self.engine),
+            self.engine.model_digest,
         )
 
     def restore(self, snap: Snapshot) -> None:
@@ -149,7 +148,7 @@ class SessionBase:
 
         Mirrors ds4.c: ds4_session_load_snapshot (l. 16698)
         """
-        check_snapshot(snap, self.cfg, self.ctx_size, model_digest(self.engine))
+        check_snapshot(snap, self.cfg, self.ctx_size, self.engine.model_digest)
         self._cache = snap.cache.copy()
         self._tokens = list(snap.tokens)
         self._logits = None if snap.logits is None else snap.logits.copy()
@@ -166,7 +165,7 @@ class SessionBase:
         path = file_path("save: path", path, SessionError)
         host = self._cache.map(self.engine.backend.download)
         arrays = session_arrays(self.tokens, self._logits, host)
-        header = session_header(self.cfg, self.ctx_size, model_digest(self.engine))
+        header = session_header(self.cfg, self.ctx_size, self.engine.model_digest)
         header = json.dumps(header).encode()
         arrays["header"] = np.frombuffer(header, dtype=np.uint8)
         try:
@@ -191,7 +190,7 @@ class SessionBase:
             why = f" ({exc.strerror})" if getattr(exc, "strerror", None) else ""
             raise SessionError(f"load {path}: not a ds4ref session file{why}") from None
         tokens, logits, cache = read_session(arrays, header, self.cfg, self.ctx_size,
-                                             model_digest(self.engine), path)
+                                             self.engine.model_digest, path)
         self._cache, self._tokens = cache.map(self.engine.backend.upload), tokens
         self._logits = logits
         self._valid = bool(tokens)

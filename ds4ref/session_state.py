@@ -65,17 +65,15 @@ def check_ctx_size(cfg, ctx_size) -> int:
     return n
 
 
-def model_digest(engine) -> str:
-    """16 hex digits of SHA-256 over the model's tensor directory (name, type, shape)
-    and the first 4 KiB of each tensor: cheap, and it tells two models of one shape
-    apart. ds4.c's session payload records no model (it runs one); ds4ref's vary."""
-    if "_model_digest" not in vars(engine):
-        h = hashlib.sha256()
-        for t in engine.gguf.tensors.values():
-            h.update(f"{t.name} {t.ggml_type.name} {t.shape}\n".encode())
-            h.update(t.data[:4096])
-        engine._model_digest = h.hexdigest()[:16]
-    return engine._model_digest
+def gguf_digest(gguf) -> str:
+    """16 hex digits of SHA-256 over a GGUF's tensor directory (name, type, shape) and
+    the first 4 KiB of each tensor: cheap, and it tells two models of one shape apart.
+    ds4.c's session payload records no model (it runs one); ds4ref's vary."""
+    h = hashlib.sha256()
+    for t in gguf.tensors.values():
+        h.update(f"{t.name} {t.ggml_type.name} {t.shape}\n".encode())
+        h.update(t.data[:4096])
+    return h.hexdigest()[:16]
 
 
 def check_snapshot(snap, cfg, ctx_size: int, model: str) -> None:

@@ -23,7 +23,7 @@ from ds4ref.mtp import MTPError
 from ds4ref.sample import SampleRNG, SamplingError, argmax_excluding, sample, token_logprob
 from ds4ref import data_path
 from ds4ref.session import (ContextOverflowError, EmptyPromptError, SessionError, Snapshot,
-                            TokenRangeError, model_digest)
+                            TokenRangeError)
 from ds4ref.steering import SteeringError
 from ds4ref.tokenizer import TokenizerError, think_mode_for_context
 
@@ -329,7 +329,7 @@ def test_every_door_refuses_with_a_named_error(door, entry, call, error, fragmen
 def test_a_session_of_another_model_is_refused_naming_both(door):
     """A file or snapshot from a model of the same shape but other weights is refused,
     naming both digests; the same model opened again has the same digest and loads."""
-    mine, theirs = model_digest(door.eng), model_digest(door.other.engine)
+    mine, theirs = door.eng.model_digest, door.other.engine.model_digest
     assert door.other.cfg == door.eng.cfg and mine != theirs
     assert re.fullmatch("[0-9a-f]{16}", mine) and re.fullmatch("[0-9a-f]{16}", theirs)
     with pytest.raises(SessionError) as info:
@@ -339,7 +339,7 @@ def test_a_session_of_another_model_is_refused_naming_both(door):
         door.s.restore(door.other.snapshot())
     assert f"on model {theirs!r}, this session runs model {mine!r}" in str(info.value)
     again = Engine.open(backend="numpy").session(32)
-    assert model_digest(again.engine) == mine
+    assert again.engine.model_digest == mine
     again.load(door.d / "s32.npz")
     assert again.tokens == door.s.tokens and np.array_equal(again.logits, door.s.logits)
 
