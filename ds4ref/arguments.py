@@ -51,8 +51,13 @@ def number(name: str, v, error, lo=None, hi=None) -> float:
 
 
 def file_path(name: str, v, error) -> Path:
-    """v as a Path if it is a str or an os.PathLike (an int would name a file
-    descriptor, bytes an encoding); else `error` naming `name`."""
-    if not isinstance(v, (str, os.PathLike)) or str(v) == "":
+    """v as a Path if it is a non-empty str, or an os.PathLike whose __fspath__ gives
+    one (an int would name a file descriptor, bytes an encoding, '' the current
+    directory); else `error` naming `name`."""
+    try:
+        path = os.fspath(v) if isinstance(v, (str, os.PathLike)) else None
+    except TypeError:                 # __fspath__ gave neither str nor bytes
+        path = None
+    if not isinstance(path, str) or path == "":
         raise error(f"{name}: expected a file path (str or os.PathLike), got {v!r}")
-    return Path(v)
+    return Path(path)

@@ -82,6 +82,16 @@ def _add(key):
 
 V = 1024          # the bundled model's vocabulary
 # (entry point, call on the fixture, expected error class, fragment of its message)
+class _BytesPath:
+    """An os.PathLike whose __fspath__ gives bytes, which pathlib cannot take."""
+
+    def __fspath__(self):
+        return b"/tmp/x.gguf"
+
+    def __repr__(self):
+        return "_BytesPath()"
+
+
 DOORS = [
     # Engine.open
     ("Engine.open", lambda c: Engine.open(backend=None), BackendError,
@@ -92,6 +102,8 @@ DOORS = [
     ("Engine.open", lambda c: Engine.open(123, backend="numpy"), EngineError,
      "path: expected a file path (str or os.PathLike), got 123"),
     ("Engine.open", lambda c: Engine.open("", backend="numpy"), EngineError, "got ''"),
+    ("Engine.open", lambda c: Engine.open(_BytesPath(), backend="numpy"), EngineError,
+     "path: expected a file path (str or os.PathLike), got _BytesPath()"),
     ("Engine.open", lambda c: Engine.open("/nonexistent/x.gguf", backend="numpy"), GGUFError,
      "cannot open: No such file or directory"),
     ("Engine.open", lambda c: Engine.open(c.d, backend="numpy"), GGUFError,

@@ -417,9 +417,24 @@ def test_empty_and_missing_files(tmp_path):
         GGUFFile(tmp_path / "nope.gguf")
 
 
-@pytest.mark.parametrize("path", [5, None, b"/x", ""])
+class _FsPath:
+    """An os.PathLike whose __fspath__ gives `value` (bytes, an int, '')."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __fspath__(self):
+        return self.value
+
+    def __repr__(self):
+        return f"_FsPath({self.value!r})"
+
+
+@pytest.mark.parametrize("path", [5, None, b"/x", "", _FsPath(b"/x"), _FsPath(7),
+                                  _FsPath("")])
 def test_a_path_that_is_no_str_or_is_empty_is_named(path):
-    """An int would name a file descriptor, bytes an encoding, '' the current directory."""
+    """An int would name a file descriptor, bytes an encoding, '' the current directory;
+    an os.PathLike counts by what its __fspath__ gives."""
     got = repr(path)
     for door in (GGUFFile, load_model, ds4ref.model_summary):
         with pytest.raises(GGUFError, match=re.escape(
