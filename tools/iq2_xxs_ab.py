@@ -44,9 +44,8 @@ def gather_kernel():
     index bytes, not from four 64-bit loads inserted into a vector. Same bits."""
     import ds4ref.backends.numba.iq2_xxs.avx2 as av
     from llvmlite import ir
-    from numba import njit, prange, types
-    from numba.extending import intrinsic
-    from ds4ref.backends.numba.isa import B32, H16, V8, f16_at, ir_fn
+    from numba import njit, prange
+    from ds4ref.backends.numba.isa import B32, f16_at, ir_fn
     i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     v4q, v4d = ir.VectorType(i64, 4), ir.VectorType(i32, 4)
 
@@ -65,28 +64,7 @@ def gather_kernel():
                                      ir.Constant(v4q, [-1] * 4), ir.Constant(i8, 8)])
         return builder.bitcast(rows, B32)
 
-    def codegen(context, builder, sig, args):  # av's pair block, its grid rows gathered
-        wg, wu, y, grid = args
-        maddubs = ir_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", H16, [B32] * 2)
-        maddwd = ir_fn(builder, "llvm.x86.avx2.pmadd.wd", V8, [H16] * 2)
-        reduce = ir_fn(builder, "llvm.vector.reduce.add.v8i32", i32, [V8])
-        ss = [av.iq2_xxs_signs_scales(builder, w) for w in (wg, wu)]
-        acc = [ir.Constant(V8, [0] * 8)] * 2
-        for g in range(8):
-            yv = builder.load(builder.inttoptr(builder.add(y, ir.Constant(i64, 32 * g)),
-                                               B32.as_pointer()), align=1)
-            for k, w in enumerate((wg, wu)):
-                mask, scale = av.iq2_xxs_group_signs(builder, ss[k], g)
-                signed_y = builder.sub(builder.xor(yv, mask), mask)
-                pairs = builder.call(maddubs, [group_grid(builder, w, grid, g), signed_y])
-                acc[k] = builder.add(acc[k], builder.call(maddwd, [pairs, scale]))
-        return context.make_tuple(builder, sig.return_type,
-                                  [builder.call(reduce, [a]) for a in acc])
-
-    def typer(typingctx, wg_addr, wu_addr, y_addr, grid_addr):
-        a = types.intp
-        return types.UniTuple(types.int32, 2)(a, a, a, a), codegen
-    block = intrinsic(typer)
+    block = av._iq2_xxs_pair_block_intrinsic(group_grid)  # D.4's, rows gathered
 
     @njit(inline="always")
     def row(wg, wu, r, yq, yd, ga, lut):        # av._iq2_xxs_pair_row_avx2, token 0

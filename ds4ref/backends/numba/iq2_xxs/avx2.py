@@ -88,11 +88,12 @@ def iq2_xxs_group_grid(builder, w, grid, g):
     return builder.bitcast(v, B32)
 
 
-def _iq2_xxs_pair_block_intrinsic():
+def _iq2_xxs_pair_block_intrinsic(group_grid=iq2_xxs_group_grid):
     """An intrinsic (wg_addr, wu_addr, y_addr, grid_addr) -> (bsum_g, bsum_u) int32 for
     one IQ2_XXS block of a gate and an up row with AVX2: wg_addr, wu_addr their 64
     bytes after d, y_addr the block's 256 int8 Q8_K values (none -128, shared by both
-    rows), grid_addr IQ2XXS_GRID.
+    rows), grid_addr IQ2XXS_GRID; group_grid makes a group's grid bytes (another way
+    of loading them can be tried in its place: tools/iq2_xxs_ab.py --gather).
     Mirrors ds4.c: ds4_vec_dot_iq2_xxs_pair_q8_K (l. 1978)"""
 
     def codegen(context, builder, sig, args):
@@ -110,7 +111,7 @@ def _iq2_xxs_pair_block_intrinsic():
                 mask, scale = iq2_xxs_group_signs(builder, ss[k], g)
                 signed_y = builder.sub(builder.xor(yv, mask), mask)  # -y where -1
                 # int16: g_e y'_e + g_e+1 y'_e+1, then times 2 s + 1 into int32
-                pairs = builder.call(maddubs, [iq2_xxs_group_grid(builder, w, grid, g),
+                pairs = builder.call(maddubs, [group_grid(builder, w, grid, g),
                                                signed_y])
                 acc[k] = builder.add(acc[k], builder.call(maddwd, [pairs, scale]))
         return context.make_tuple(builder, sig.return_type,
