@@ -9,8 +9,6 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from ds4ref.gguf import DS4RefError
 
 PROG = "python -m ds4ref"
@@ -174,9 +172,8 @@ def generate(args) -> int:
                  else file_path("path", args.model, CLIError))
         _write(model_summary(model) + "\n")
         return 0
-    _check_params(args.temp, args.top_k, args.top_p, args.min_p)
-    # ds4.c keeps --temp in a float: 1e-50 is 0, greedy, with MTP drafts and no seed
-    args.temp = float(np.float32(args.temp))
+    # as ds4.c keeps it, a float: 1e-50 is 0, greedy, with MTP drafts and no seed
+    args.temp = _check_params(args.temp, args.top_k, args.top_p, args.min_p)
     stops = StopStrings(args.stop)
     if args.tokens < 0:
         raise CLIError(f"argument -n/--tokens: must be >= 0, got {args.tokens}")

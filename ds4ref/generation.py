@@ -132,8 +132,7 @@ def stream_generate(
     context is full, or before the first stop string.
     Mirrors ds4.c: ds4_cli.c's run_sampled_generation (l. 465); ds4_server.c's
     generate_job (l. 9706) for stop strings and finish reasons"""
-    _check_params(temperature, top_k, top_p, min_p)
-    temperature = float(np.float32(temperature))    # 1e-50 is 0: greedy, as in ds4.c
+    temperature = _check_params(temperature, top_k, top_p, min_p)   # 1e-50 is 0
     max_tokens = integer("max_tokens", max_tokens, GenerationError, lo=0)
     if not isinstance(raw, bool):                     # as Engine.open's resident
         raise GenerationError(f"raw: expected True or False, got {raw!r}")

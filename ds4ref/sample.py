@@ -66,13 +66,16 @@ def _expf(x: np.ndarray) -> np.ndarray:
     return np.exp(x.astype(np.float64)).astype(np.float32)
 
 
-def _check_params(temperature, top_k, top_p, min_p) -> None:
+def _check_params(temperature, top_k, top_p, min_p) -> float:
+    """Check the sampling settings; return the temperature as ds4.c keeps it, a float32
+    (1e-50 is 0: greedy)."""
     # ds4.c's --temp range
     number("temperature (0 = greedy)", temperature, SamplingError, 0, 100)
     integer("top_k (0 = off)", top_k, SamplingError, lo=0)
     if not 0 < number("top_p", top_p, SamplingError, 0, 1):
         raise SamplingError(f"top_p: must be in (0, 1], got {top_p}")
     number("min_p", min_p, SamplingError, 0, 1)
+    return float(np.float32(temperature))
 
 
 def _logits_of(logits) -> np.ndarray:
@@ -129,9 +132,9 @@ def sample(
     1024 (ds4.c's candidate buffer); top_p in (0, 1]; min_p in [0, 1].
     Mirrors ds4.c: sample_top_p_min_p (l. 15238) and sample_full_vocab (l. 15149)
     """
-    _check_params(temperature, top_k, top_p, min_p)
+    temperature = _check_params(temperature, top_k, top_p, min_p)
     v = _logits_of(logits)
-    if np.float32(temperature) == 0:     # T as float32: 1e-50 is greedy, as in ds4.c
+    if temperature == 0:
         return sample_argmax(v)
     if not isinstance(rng, SampleRNG):
         raise SamplingError(f"rng: a SampleRNG is needed when temperature > 0, got "
@@ -171,7 +174,7 @@ def filtered_distribution(logits: np.ndarray, temperature: float, top_k: int = 0
 
     Mirrors ds4.c: sample_top_p_min_p (l. 15238), the filter part
     """
-    _check_params(temperature, top_k, top_p, min_p)
+    temperature = _check_params(temperature, top_k, top_p, min_p)
     v = np.asarray(logits, dtype=np.float32).reshape(-1)
     out = np.zeros(v.size)
     if temperature == 0:
@@ -181,11 +184,12 @@ def filtered_distribution(logits: np.ndarray, temperature: float, top_k: int = 0
     order = ids[np.argsort(-v[ids], kind="stable")]
     if top_k > 0:
         order = order[:min(int(top_k), TOP_K_MAX, v.size)]
-    probs = _expf((v[order] - v[order[0]]) / np.float32(temperature))
+    with np.errstate(over="ignore"):        # a tiny T: -inf but the best, as sample
+        probs = _expf((v[order] - v[order[0]]) / np.float32(temperature))
     if top_k == 0 and top_p >= 1:
-        keep = order[probs >= np.float32(min_p)]
-        p = _expf((v[keep] - v[order[0]]) / np.float32(temperature)).astype(np.float64)
-        out[keep] = p / p.sum()
+        keep = probs >= np.float32(min_p)
+        p = probs[keep].astype(np.float64)
+        out[order[keep]] = p / p.sum()
         return out
     n = _filter_sorted(probs, np.float32(top_p), np.float32(min_p))
     out[order[:n]] = probs[:n] / probs[:n].astype(np.float64).sum()

@@ -153,3 +153,17 @@ def test_draws_equal_ds4c_session_sample(case, oracle_dir):
         got = [sample(logits, t, k, p, mp, rng) for _ in range(int(row[6]))]
         assert got == want.tolist(), (t, k, p, mp, int(seed))
         assert rng.state == int(state)
+
+
+def test_filtered_distribution_takes_tiny_temperatures_as_sample_does():
+    """1e-50 is 0 as a float32 (ds4.c's), so the distribution is the argmax's; 1e-45 is
+    float32's least: every token but the best gets weight 0, without a warning."""
+    import warnings
+    logits = np.array([1.0, 3.0, 2.0, 0.0], np.float32)
+    one_hot = filtered_distribution(logits, 0)
+    assert one_hot.tolist() == [0, 1, 0, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in (1e-50, 1e-45):
+            for kw in ({}, dict(top_k=2)):
+                assert filtered_distribution(logits, t, **kw).tolist() == one_hot.tolist()
