@@ -33,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import add_ab_args, paired_median, random_rows, stream_copies, time_variants  # noqa: E402
+from kernel_ab import (add_ab_args, paired_median, random_rows, stream_copies,  # noqa: E402
+                       time_variants, write_report)
 
 ROWS, N = 2048, 4096  # ModelConfig.real(): n_ff_exp x n_embd of ffn_gate_exps / ffn_up_exps
 
@@ -154,13 +155,7 @@ def main(argv=None) -> None:
         nm.IQ2_XXS_SIMD, nm.IQ2_XXS_LANES, nm.IQ2_XXS_LANES_MIN_T, nm.IQ2_XXS_TOKENS = own
     print("\nmin ms per call; ratio = median over rounds of (variant / reference), < 1: faster")
     if args.out:
-        import json
-        from ds4ref.dev.bench import machine
-        from ds4ref.dev.bench_timing import run_stamp
-        report = {**run_stamp(), "tool": "tools/iq2_xxs_ab.py", "machine": machine(),
-                  "rounds": args.rounds, "stream_mb": args.stream_mb, "results": results}
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print("wrote", args.out)
+        write_report(args.out, "tools/iq2_xxs_ab.py", args, results)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Shared parts of the kernel A/B scripts (tools/q8_0_ab.py, tools/q8_0_avx2_ab.py,
-tools/iq2_xxs_ab.py): random weight rows, the common flags, and the interleaved timing of
-a row's variants. Not a test and writes no file."""
+tools/q8_0_rows_ab.py, tools/iq2_xxs_ab.py): random weight rows, the common flags, the
+interleaved timing of a row's variants, and the JSON report of --out. Not a test."""
 from __future__ import annotations
 
 import statistics
@@ -98,3 +98,16 @@ def time_variants(call, variants, copies, a, args, check) -> dict:
 def paired_median(times: dict, v: str, base: str) -> float:
     """The median over rounds of times[v] / times[base]."""
     return statistics.median(t / p for t, p in zip(times[v], times[base]))
+
+
+def write_report(out: str, tool: str, args, results: list) -> None:
+    """Write an A/B script's rows as JSON to `out`, with the date, commit and CPU of the
+    run, the script's name and its rounds and streamed megabytes."""
+    import json
+    from pathlib import Path
+    from ds4ref.dev.bench import machine
+    from ds4ref.dev.bench_timing import run_stamp
+    report = {**run_stamp(), "tool": tool, "machine": machine(), "rounds": args.rounds,
+              "stream_mb": args.stream_mb, "results": results}
+    Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    print("wrote", out)

@@ -26,7 +26,6 @@ that the numba Q8_0 matvec's per-CPU choice between the two AVX2 decode kernels 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_ab import add_ab_args, paired_median, q8_0_cases, time_variants  # noqa: E402
+from kernel_ab import (add_ab_args, paired_median, q8_0_cases, time_variants,  # noqa: E402
+                       write_report)
 
 # wide-model Q8_0 shapes [rows x n]: attn_output_b, attn_q_b, ffn_gate_shexp, ffn_down_shexp
 SHAPES = ((4096, 8192), (32768, 1024), (2048, 4096), (4096, 2048))
@@ -138,12 +138,7 @@ def main(argv=None) -> None:
                             "paired_ratio": {v: paired_median(times, v, base) for v in kernels}})
     print("\nbest GB/s of weights read per variant; ratio = median over rounds of the paired times, < 1: faster")
     if args.out:
-        from ds4ref.dev.bench import machine
-        from ds4ref.dev.bench_timing import run_stamp
-        report = {**run_stamp(), "tool": "tools/q8_0_rows_ab.py", "machine": machine(),
-                  "rounds": args.rounds, "stream_mb": args.stream_mb, "results": results}
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print("wrote", args.out)
+        write_report(args.out, "tools/q8_0_rows_ab.py", args, results)
 
 
 if __name__ == "__main__":
